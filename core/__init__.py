@@ -1,0 +1,1 @@
+"""draftmesh core: typed config, shared types, model resolution and the CLI."""

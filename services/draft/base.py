@@ -1,0 +1,89 @@
+"""The draft-source contract: what every source receives and what it returns.
+
+Sources never see the target model. They get the committed token ids (and text for
+sources that think in text) and return proposals; the tree builder merges them and
+the verifier decides. A source can therefore be wrong as often as it likes without
+changing the output, only the speed.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any, Mapping, Protocol, Sequence, runtime_checkable
+
+import torch
+
+
+@dataclass(frozen=True)
+class DraftContext:
+    """Everything a source may use to guess the next tokens of one request."""
+
+    token_ids: Sequence[int]
+    """Committed target tokens: prompt then generated, the last one not yet verified-from."""
+    prompt_len: int
+    text_tail: str = ""
+    """Decoded text of the last committed tokens, for text-based sources."""
+    documents: Sequence[str] = ()
+    session_id: str | None = None
+    request_id: str = ""
+    size_hint: int = 16
+    """Roughly how many tree nodes the builder can afford this step."""
+    options: Mapping[str, Any] = field(default_factory=dict)
+
+    @property
+    def generated_ids(self) -> Sequence[int]:
+        return self.token_ids[self.prompt_len :]
+
+
+@dataclass(frozen=True)
+class Proposal:
+    """One drafted continuation of the committed tokens.
+
+    Exactly one of ``token_ids`` (a source sharing the target tokenizer) or ``text``
+    (any tokenizer; aligned to target tokens by the builder) is set.
+
+    ``token_dists`` may only be given when token i was *sampled* from row i
+    (conditioned on tokens < i); rejection sampling then uses the residual rule.
+    Anything else (argmax, top-k, n-gram, retrieval) is a deterministic draft.
+    """
+
+    source: str
+    token_ids: tuple[int, ...] | None = None
+    text: str | None = None
+    token_probs: tuple[float, ...] | None = None
+    """The draft's own probability for each drafted token (a score, not a sampling law)."""
+    token_dists: torch.Tensor | None = None
+    confidence: float = 1.0
+    """How much the source believes the proposal (weight among its own branches)."""
+
+    def __post_init__(self) -> None:
+        if (self.token_ids is None) == (self.text is None):
+            raise ValueError(f"proposal from {self.source!r}: give exactly one of token_ids or text")
+        if self.token_ids is not None:
+            n = len(self.token_ids)
+            if self.token_probs is not None and len(self.token_probs) != n:
+                raise ValueError(f"proposal from {self.source!r}: token_probs length {len(self.token_probs)} != {n}")
+            if self.token_dists is not None and self.token_dists.shape[0] != n:
+                raise ValueError(
+                    f"proposal from {self.source!r}: token_dists rows {self.token_dists.shape[0]} != {n}"
+                )
+        elif self.token_dists is not None:
+            raise ValueError(f"proposal from {self.source!r}: token_dists need token_ids")
+        if not self.confidence >= 0.0:
+            raise ValueError(f"proposal from {self.source!r}: confidence must be >= 0")
+
+
+@runtime_checkable
+class DraftSource(Protocol):
+    """A source of drafts. ``propose`` must be cheap or be hosted remotely with a deadline."""
+
+    name: str
+
+    def propose(self, ctx: DraftContext) -> list[Proposal]: ...
+
+
+@runtime_checkable
+class LearningSource(DraftSource, Protocol):
+    """A source that remembers finished requests (answer stores, session history)."""
+
+    def finish(self, ctx: DraftContext, output_ids: Sequence[int], output_text: str) -> None: ...

@@ -1,0 +1,1 @@
+"""draftmesh.verify"""
