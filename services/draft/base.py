@@ -54,7 +54,10 @@ class Proposal:
     """The draft's own probability for each drafted token (a score, not a sampling law)."""
     token_dists: torch.Tensor | None = None
     confidence: float = 1.0
-    """How much the source believes the proposal (weight among its own branches)."""
+    """How much the source believes the proposal, in [0, 1]; the builder calibrates it."""
+    text_complete: bool = False
+    """For text proposals: the text ends where a unit ends (a whole name, a closer), so
+    its last token is as safe to draft as the others."""
 
     def __post_init__(self) -> None:
         if (self.token_ids is None) == (self.text is None):

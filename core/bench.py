@@ -1,0 +1,1068 @@
+"""`draftmesh bench`: our engine side by side with transformers baselines on one workload.
+
+Every method runs the same model, dtype and thread count in one process. After one short
+warm-up generation per method, items are run in file order and, for each item, every
+method in turn (the order rotates from item to item); the whole pass is repeated N times
+and each (item, method) keeps its median time, so background noise hits all methods
+alike. Each repeat starts every method from fresh state (new draft sources), so a source
+that learns from finished requests only ever sees earlier items of the same pass.
+
+Greedy output of every lossless method must equal ``plain`` token for token; a mismatch
+is printed loudly as it happens, recorded as ``identical_to_plain: false`` with the first
+differing position (and the top-2 logit gap of the model there), and makes the command
+exit with status 1.
+
+Layout: method runners (one small class per family, one ``run(item) -> ItemRun``) do the
+work; ``execute`` runs the interleaved loop; everything after that (summary, table, JSON,
+plot) is a pure function of the collected ``ItemResult`` list.
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import json
+import math
+import os
+import platform
+import shlex
+import statistics
+import sys
+import time
+from dataclasses import dataclass, field
+from datetime import datetime, timezone
+from pathlib import Path
+from typing import Any, Callable, Iterable, Mapping, Protocol, Sequence
+
+from draftmesh.workload import WorkItem, WorkloadError, load_workload, render_prompt_ids
+
+PLAIN = "plain"
+HF = "hf"
+HF_PLD = "hf-pld"
+HF_ASSIST = "hf-assist"
+DRAFTMESH = "draftmesh"
+ENGINE_PREFIX = "draftmesh:"
+ALL_DEFAULT_ABLATIONS = "draftmesh:*"
+BASE_METHODS = (PLAIN, HF, HF_PLD, HF_ASSIST, DRAFTMESH)
+DEFAULT_METHODS = "plain,hf,hf-pld,hf-assist,draftmesh"
+PLD_NUM_TOKENS = 10
+ALL_KINDS = "all"
+WARMUP_TOKENS = 8
+
+EXIT_OK, EXIT_MISMATCH, EXIT_USAGE = 0, 1, 2
+
+
+# ====================================================================== methods
+@dataclass(frozen=True)
+class Method:
+    name: str
+    family: str
+    """"engine" (our decoder) or "hf" (transformers generate)."""
+    sources: tuple[str, ...] | None = None
+    """Engine only: the draft sources; None = the registry's default set, () = plain decoding."""
+    hf_mode: str | None = None
+    """HF only: "greedy", "pld" or "assist"."""
+    lossless: bool = True
+
+
+def _registry():
+    from draftmesh.draft import registry
+
+    return registry
+
+
+def parse_methods(
+    text: str | Sequence[str],
+    *,
+    available: Sequence[str] | None = None,
+    defaults: Sequence[str] | None = None,
+) -> list[Method]:
+    """Parse ``plain,hf,...,draftmesh:<source>`` into methods, plain first, duplicates dropped.
+
+    Source names are checked against ``available`` (default: the draft registry);
+    ``draftmesh:*`` stands for one ablation per default source. ``plain`` is always added:
+    it is the reference for speed and for the identical-output check.
+    """
+    reg = None
+    if available is None or defaults is None:
+        reg = _registry()
+    available = list(reg.available() if available is None else available)
+    defaults = list(reg.DEFAULT_SOURCES if defaults is None else defaults)
+    names = [n.strip() for n in (text.split(",") if isinstance(text, str) else text)]
+    names = [n for n in names if n]
+    if not names:
+        raise ValueError("no methods given")
+    expanded: list[str] = []
+    for name in names:
+        if name == ALL_DEFAULT_ABLATIONS:
+            expanded.extend(ENGINE_PREFIX + s for s in defaults)
+        else:
+            expanded.append(name)
+    methods: list[Method] = []
+    seen: set[str] = set()
+    for name in [PLAIN, *expanded]:
+        if name in seen:
+            continue
+        seen.add(name)
+        if name == PLAIN:
+            methods.append(Method(PLAIN, "engine", sources=()))
+        elif name == DRAFTMESH:
+            methods.append(Method(DRAFTMESH, "engine", sources=None))
+        elif name.startswith(ENGINE_PREFIX):
+            source = name[len(ENGINE_PREFIX) :]
+            if source not in available:
+                raise ValueError(
+                    f"unknown draft source {source!r} in method {name!r}; available sources: "
+                    f"{', '.join(available) or '(none)'}"
+                )
+            methods.append(Method(name, "engine", sources=(source,)))
+        elif name == HF:
+            methods.append(Method(HF, "hf", hf_mode="greedy"))
+        elif name == HF_PLD:
+            methods.append(Method(HF_PLD, "hf", hf_mode="pld"))
+        elif name == HF_ASSIST:
+            methods.append(Method(HF_ASSIST, "hf", hf_mode="assist"))
+        else:
+            valid = ", ".join([*BASE_METHODS, ALL_DEFAULT_ABLATIONS] + [ENGINE_PREFIX + s for s in available])
+            raise ValueError(f"unknown method {name!r}; valid methods: {valid}")
+    return methods
+
+
+# ====================================================================== runs
+@dataclass(frozen=True)
+class PreparedItem:
+    """A workload item with its prompt rendered to token ids for the target."""
+
+    item: WorkItem
+    prompt_ids: tuple[int, ...]
+    max_new_tokens: int
+
+    @property
+    def id(self) -> str:
+        return self.item.id
+
+    @property
+    def kind(self) -> str:
+        return self.item.kind
+
+
+@dataclass
+class SourceStats:
+    proposals: int = 0
+    proposed_tokens: int = 0
+    accepted_tokens: int = 0
+
+    def add(self, other: "SourceStats") -> None:
+        self.proposals += other.proposals
+        self.proposed_tokens += other.proposed_tokens
+        self.accepted_tokens += other.accepted_tokens
+
+    @property
+    def acceptance(self) -> float | None:
+        return self.accepted_tokens / self.proposed_tokens if self.proposed_tokens else None
+
+
+@dataclass
+class ItemRun:
+    """One generation of one item by one method."""
+
+    item_id: str
+    kind: str
+    method: str
+    token_ids: list[int]
+    seconds: float
+    steps: int | None = None
+    """Target forwards (engine methods); None where the method has no such notion (hf)."""
+    draft_s: float | None = None
+    verify_s: float | None = None
+    sources: dict[str, SourceStats] = field(default_factory=dict)
+    text: str = ""
+    prompt_tokens: int = 0
+
+    @property
+    def new_tokens(self) -> int:
+        return len(self.token_ids)
+
+    @property
+    def tokens_per_s(self) -> float:
+        return self.new_tokens / self.seconds if self.seconds > 0 else 0.0
+
+    @property
+    def mean_accepted_per_step(self) -> float | None:
+        """Tokens committed per target forward (1.0 for plain decoding), as GenerationResult."""
+        return self.new_tokens / max(1, self.steps) if self.steps is not None else None
+
+
+@dataclass
+class ItemResult:
+    """All repeats of one (item, method), and how its output compares with plain."""
+
+    item_id: str
+    kind: str
+    method: str
+    lossless: bool = True
+    runs: list[ItemRun] = field(default_factory=list)
+    identical_to_plain: bool | None = None
+    first_difference: int | None = None
+    mismatch_repeat: int | None = None
+    mismatch_top2_gap: float | None = None
+    stable: bool = True
+    """All repeats produced the same tokens."""
+
+    @property
+    def seconds(self) -> float:
+        return statistics.median(r.seconds for r in self.runs)
+
+    @property
+    def representative(self) -> ItemRun:
+        """The run with the (lower) median time: its step statistics are reported."""
+        ordered = sorted(self.runs, key=lambda r: r.seconds)
+        return ordered[(len(ordered) - 1) // 2]
+
+    @property
+    def new_tokens(self) -> int:
+        return self.runs[0].new_tokens
+
+    @property
+    def tokens_per_s(self) -> float:
+        s = self.seconds
+        return self.new_tokens / s if s > 0 else 0.0
+
+    @property
+    def mean_accepted_per_step(self) -> float | None:
+        return self.representative.mean_accepted_per_step
+
+
+class MethodRunner(Protocol):
+    """Runs one method. ``reset`` starts from fresh state (called before each repeat)."""
+
+    name: str
+    lossless: bool
+
+    def reset(self) -> None: ...
+
+    def run(self, item: PreparedItem) -> ItemRun: ...
+
+
+class _CountingBuilder:
+    """Wraps a tree builder to count the drafted tokens each source proposed.
+
+    Only ``build`` is intercepted; everything else (observe, finish, max_nodes, ...) is the
+    wrapped builder's own, whatever its interface grows into.
+    """
+
+    def __init__(self, inner) -> None:
+        self.inner = inner
+        self.clear()
+
+    def clear(self) -> None:
+        self.proposals: dict[str, int] = {}
+        self.tokens: dict[str, int] = {}
+        self.texts: dict[str, list[str]] = {}
+
+    def build(self, proposals, ctx):
+        for p in proposals:
+            self.proposals[p.source] = self.proposals.get(p.source, 0) + 1
+            if p.token_ids is not None:
+                self.tokens[p.source] = self.tokens.get(p.source, 0) + len(p.token_ids)
+            else:  # tokenized after the run, outside the timed region
+                self.texts.setdefault(p.source, []).append(p.text)
+        return self.inner.build(proposals, ctx)
+
+    def __getattr__(self, name: str):
+        if name == "inner":
+            raise AttributeError(name)
+        return getattr(self.inner, name)
+
+
+class EngineRunner:
+    """Our SpeculativeDecoder with named sources (() = plain decoding, None = defaults)."""
+
+    lossless = True
+
+    def __init__(
+        self,
+        name: str,
+        target,
+        sources: Sequence[str] | None,
+        *,
+        source_options: Mapping[str, Mapping] | None = None,
+        max_nodes: int | None = None,
+    ) -> None:
+        self.name = name
+        self.target = target
+        self.sources = None if sources is None else tuple(sources)
+        self.source_options = source_options
+        self.max_nodes = max_nodes
+        self.decoder = None
+        self.counter: _CountingBuilder | None = None
+
+    def reset(self) -> None:
+        from draftmesh.router.engine import build_decoder
+
+        kwargs: dict[str, Any] = {"source_options": self.source_options}
+        if self.max_nodes is not None:  # else build_decoder's own default
+            kwargs["max_nodes"] = self.max_nodes
+        self.decoder = build_decoder(self.target, self.sources, **kwargs)
+        self.counter = None
+        if self.decoder.sources:
+            self.counter = _CountingBuilder(self.decoder.builder)
+            self.decoder.builder = self.counter
+
+    def run(self, item: PreparedItem) -> ItemRun:
+        from draftmesh.verify.decoder import GenerationRequest
+
+        if self.decoder is None:
+            self.reset()
+        if self.counter is not None:
+            self.counter.clear()
+        req = GenerationRequest(
+            prompt_ids=item.prompt_ids,
+            max_new_tokens=item.max_new_tokens,
+            request_id=item.id,
+            session_id=item.item.session,
+            documents=item.item.corpus,
+        )
+        t0 = time.perf_counter()
+        res = self.decoder.generate(req)
+        seconds = time.perf_counter() - t0
+        stats: dict[str, SourceStats] = {}
+        names = [s.name for s in self.decoder.sources]
+        if self.counter is not None:
+            names += [n for n in self.counter.proposals if n not in names]
+        for n in names:
+            stats[n] = SourceStats()
+        for step in res.steps:
+            for n, k in step.accepted_by_source.items():
+                stats.setdefault(n, SourceStats()).accepted_tokens += k
+        if self.counter is not None:
+            tok = self.target.tokenizer
+            for n, k in self.counter.proposals.items():
+                stats[n].proposals += k
+            for n, k in self.counter.tokens.items():
+                stats[n].proposed_tokens += k
+            for n, texts in self.counter.texts.items():
+                stats[n].proposed_tokens += sum(len(tok.encode(t, add_special_tokens=False)) for t in texts)
+        return ItemRun(
+            item_id=item.id,
+            kind=item.kind,
+            method=self.name,
+            token_ids=list(res.token_ids),
+            seconds=seconds,
+            steps=len(res.steps),
+            draft_s=sum(s.draft_s for s in res.steps),
+            verify_s=sum(s.verify_s for s in res.steps),
+            sources=stats,
+            text=res.text,
+            prompt_tokens=len(item.prompt_ids),
+        )
+
+
+@contextlib.contextmanager
+def _clean_generation_config(model):
+    """Hide the checkpoint's generation defaults (repetition penalty, min length, ...) during
+    ``generate``: transformers fills every unset field from ``model.generation_config``."""
+    from transformers import GenerationConfig
+
+    saved = model.generation_config
+    model.generation_config = GenerationConfig()
+    try:
+        yield
+    finally:
+        model.generation_config = saved
+
+
+class HFRunner:
+    """transformers ``generate``: greedy, prompt lookup (``pld``) or an assistant model."""
+
+    lossless = True
+
+    def __init__(self, name: str, target, mode: str = "greedy", assistant=None) -> None:
+        if mode not in ("greedy", "pld", "assist"):
+            raise ValueError(f"unknown hf mode {mode!r}")
+        if mode == "assist" and assistant is None:
+            raise ValueError("hf-assist needs an assistant model")
+        self.name = name
+        self.target = target
+        self.mode = mode
+        self.assistant = assistant
+        eos = sorted(target.eos_token_ids)
+        self.eos_ids = eos
+        pad = getattr(target.tokenizer, "pad_token_id", None)
+        self.pad_id = pad if isinstance(pad, int) else (eos[0] if eos else 0)
+
+    def reset(self) -> None:
+        return None
+
+    def generation_config(self, max_new_tokens: int):
+        from transformers import GenerationConfig
+
+        cfg = GenerationConfig(
+            do_sample=False,
+            num_beams=1,
+            max_new_tokens=max_new_tokens,
+            min_new_tokens=None,
+            min_length=0,
+            eos_token_id=list(self.eos_ids) or None,
+            pad_token_id=self.pad_id,
+            repetition_penalty=1.0,
+            no_repeat_ngram_size=0,
+            use_cache=True,
+            return_dict_in_generate=False,
+        )
+        if self.mode == "pld":
+            cfg.prompt_lookup_num_tokens = PLD_NUM_TOKENS
+        return cfg
+
+    def run(self, item: PreparedItem) -> ItemRun:
+        import torch
+
+        model = self.target.model
+        device = self.target.device
+        ids = torch.tensor([list(item.prompt_ids)], dtype=torch.long, device=device)
+        kwargs: dict[str, Any] = {}
+        if self.mode == "assist":
+            kwargs["assistant_model"] = self.assistant.model
+            t_vocab = model.config.get_text_config().vocab_size
+            a_vocab = self.assistant.model.config.get_text_config().vocab_size
+            if t_vocab != a_vocab:  # universal assisted decoding (the rule transformers applies)
+                kwargs["tokenizer"] = self.target.tokenizer
+                kwargs["assistant_tokenizer"] = self.assistant.tokenizer
+        cfg = self.generation_config(item.max_new_tokens)
+        with _clean_generation_config(model), torch.inference_mode():
+            t0 = time.perf_counter()
+            out = model.generate(
+                input_ids=ids, attention_mask=torch.ones_like(ids), generation_config=cfg, **kwargs
+            )
+            seconds = time.perf_counter() - t0
+        new = out[0, ids.shape[1] :].tolist()
+        for i, tok in enumerate(new):  # stop at EOS like the engine (EOS kept, nothing after)
+            if tok in self.eos_ids:
+                new = new[: i + 1]
+                break
+        return ItemRun(
+            item_id=item.id,
+            kind=item.kind,
+            method=self.name,
+            token_ids=new,
+            seconds=seconds,
+            text=self.target.tokenizer.decode(new, skip_special_tokens=True),
+            prompt_tokens=len(item.prompt_ids),
+        )
+
+
+def make_runner(
+    method: Method, target, *, assistant=None, max_nodes: int | None = None, source_options=None
+) -> MethodRunner:
+    """The runner for a method on a local target (a remote target would add its own here)."""
+    if method.family == "engine":
+        return EngineRunner(method.name, target, method.sources, source_options=source_options, max_nodes=max_nodes)
+    return HFRunner(method.name, target, method.hf_mode or "greedy", assistant=assistant)
+
+
+# ====================================================================== checks
+def first_difference(a: Sequence[int], b: Sequence[int]) -> int | None:
+    """Index of the first differing token (the shorter length if one is a prefix), None if equal."""
+    for i, (x, y) in enumerate(zip(a, b)):
+        if x != y:
+            return i
+    return None if len(a) == len(b) else min(len(a), len(b))
+
+
+def check_identical(results: Iterable[ItemResult]) -> list[ItemResult]:
+    """Compare every lossless method's output with plain's, repeat by repeat.
+
+    Sets ``identical_to_plain`` / ``first_difference`` / ``mismatch_repeat`` (None for plain
+    itself and for lossy methods) and ``stable``; returns the mismatching results.
+    """
+    results = list(results)
+    plain = {r.item_id: r for r in results if r.method == PLAIN}
+    mismatches = []
+    for r in results:
+        r.stable = all(run.token_ids == r.runs[0].token_ids for run in r.runs)
+        if r.method == PLAIN or not r.lossless:
+            r.identical_to_plain = None
+            continue
+        ref = plain.get(r.item_id)
+        if ref is None or not ref.runs or not r.runs:
+            r.identical_to_plain = None
+            continue
+        r.identical_to_plain, r.first_difference, r.mismatch_repeat = True, None, None
+        for rep, run in enumerate(r.runs):
+            want = ref.runs[min(rep, len(ref.runs) - 1)].token_ids
+            diff = first_difference(want, run.token_ids)
+            if diff is not None:
+                r.identical_to_plain, r.first_difference, r.mismatch_repeat = False, diff, rep
+                mismatches.append(r)
+                break
+    return mismatches
+
+
+def mismatch_message(r: ItemResult, plain_ids: Sequence[int] | None = None, tokenizer=None) -> str:
+    where = f"token {r.first_difference}"
+    detail = ""
+    if plain_ids is not None and r.mismatch_repeat is not None and r.first_difference is not None:
+        got = r.runs[r.mismatch_repeat].token_ids
+        i = r.first_difference
+
+        def show(ids):
+            if i >= len(ids):
+                return "(end)"
+            tok = ids[i]
+            return f"{tok} {tokenizer.decode([tok])!r}" if tokenizer is not None else str(tok)
+
+        detail = f": plain has {show(plain_ids)}, {r.method} has {show(got)}"
+    gap = f"; plain top-2 logit gap there {r.mismatch_top2_gap:.3g}" if r.mismatch_top2_gap is not None else ""
+    rep = f" (repeat {r.mismatch_repeat + 1})" if r.mismatch_repeat is not None else ""
+    return (
+        f"!!! OUTPUT MISMATCH: item {r.item_id!r} method {r.method!r} differs from plain at {where}"
+        f"{rep}{detail}{gap} !!!"
+    )
+
+
+def top2_gap(target, prompt_ids: Sequence[int], prefix: Sequence[int]) -> float:
+    """Top-1 minus top-2 logit of the model after ``prompt + prefix`` (one full forward)."""
+    import torch
+
+    ids = torch.tensor([list(prompt_ids) + list(prefix)], dtype=torch.long, device=target.device)
+    with torch.inference_mode():
+        logits = target.model(input_ids=ids, use_cache=False).logits[0, -1].float()
+    top = torch.topk(logits, 2).values
+    return float(top[0] - top[1])
+
+
+# ====================================================================== the loop
+def execute(
+    runners: Sequence[MethodRunner],
+    items: Sequence[PreparedItem],
+    repeats: int = 1,
+    *,
+    warmup: bool = True,
+    progress: bool = True,
+    warn: Callable[[str], None] | None = None,
+    tokenizer=None,
+) -> list[ItemResult]:
+    """Warm up, then run repeats x items x methods interleaved; return one result per (item, method).
+
+    Mismatches with plain are reported through ``warn`` as soon as an item is done.
+    """
+    from tqdm.auto import tqdm
+
+    if not runners or runners[0].name != PLAIN:
+        raise ValueError("the first runner must be plain (the reference)")
+    if repeats < 1:
+        raise ValueError("repeats must be >= 1")
+    results = {
+        (it.id, r.name): ItemResult(it.id, it.kind, r.name, lossless=r.lossless) for it in items for r in runners
+    }
+    bar = tqdm(
+        total=repeats * len(items) * len(runners), file=sys.stderr, desc="bench", unit="gen",
+        disable=not progress, dynamic_ncols=True,
+    )
+    say = warn or (lambda msg: tqdm.write(msg, file=sys.stderr))
+    warned: set[tuple[str, str]] = set()
+    try:
+        if warmup and items:
+            first = items[0]
+            short = PreparedItem(first.item, first.prompt_ids, min(WARMUP_TOKENS, first.max_new_tokens))
+            for r in runners:
+                bar.set_postfix_str(f"warm-up {r.name}", refresh=True)
+                r.reset()
+                r.run(short)
+        for rep in range(repeats):
+            for r in runners:
+                r.reset()
+            for index, it in enumerate(items):
+                shift = (index + rep) % len(runners)
+                for r in list(runners[shift:]) + list(runners[:shift]):
+                    bar.set_postfix_str(f"{it.id} {r.name}", refresh=False)
+                    results[(it.id, r.name)].runs.append(r.run(it))
+                    bar.update(1)
+                row = [results[(it.id, r.name)] for r in runners]
+                for bad in check_identical(row):
+                    if (bad.item_id, bad.method) not in warned:
+                        warned.add((bad.item_id, bad.method))
+                        plain_ids = results[(it.id, PLAIN)].runs[bad.mismatch_repeat].token_ids
+                        say(mismatch_message(bad, plain_ids, tokenizer))
+    finally:
+        bar.close()
+    out = list(results.values())
+    check_identical(out)
+    return out
+
+
+# ====================================================================== summary (pure)
+def geometric_mean(values: Iterable[float]) -> float | None:
+    """Geometric mean of positive values; None when there are none."""
+    vals = [float(v) for v in values]
+    if not vals:
+        return None
+    if any(v <= 0 or not math.isfinite(v) for v in vals):
+        raise ValueError(f"geometric mean needs positive finite values, got {vals}")
+    return math.exp(sum(math.log(v) for v in vals) / len(vals))
+
+
+def speedup_ratios(results: Sequence[ItemResult], method: str, kind: str | None = None) -> list[float]:
+    """Per-item tokens/s of ``method`` over plain's (items with no tokens or time are skipped)."""
+    plain = {r.item_id: r for r in results if r.method == PLAIN}
+    ratios = []
+    for r in results:
+        if r.method != method or (kind not in (None, ALL_KINDS) and r.kind != kind):
+            continue
+        ref = plain.get(r.item_id)
+        if ref is None:
+            continue
+        a, b = r.tokens_per_s, ref.tokens_per_s
+        if a > 0 and b > 0:
+            ratios.append(a / b)
+    return ratios
+
+
+def kinds_in_order(results: Iterable[ItemResult]) -> list[str]:
+    kinds: list[str] = []
+    for r in results:
+        if r.kind not in kinds:
+            kinds.append(r.kind)
+    return kinds
+
+
+def methods_in_order(results: Iterable[ItemResult]) -> list[str]:
+    methods: list[str] = []
+    for r in results:
+        if r.method not in methods:
+            methods.append(r.method)
+    return methods
+
+
+def _round(x: float | None, digits: int = 4) -> float | None:
+    return None if x is None else round(float(x), digits)
+
+
+def summarize_group(results: Sequence[ItemResult], method: str, kind: str) -> dict[str, Any]:
+    group = [r for r in results if r.method == method and (kind == ALL_KINDS or r.kind == kind)]
+    tokens = sum(r.new_tokens for r in group)
+    seconds = sum(r.seconds for r in group)
+    reps = [r.representative for r in group]
+    with_steps = [run for run in reps if run.steps is not None]
+    steps = sum(run.steps for run in with_steps)
+    sources: dict[str, SourceStats] = {}
+    for run in reps:
+        for name, st in run.sources.items():
+            sources.setdefault(name, SourceStats()).add(st)
+    speed = geometric_mean(speedup_ratios(results, method, kind))
+    return {
+        "items": len(group),
+        "new_tokens": tokens,
+        "seconds": _round(seconds, 6),
+        "tokens_per_s": _round(tokens / seconds if seconds > 0 else 0.0),
+        "speedup_vs_plain": _round(speed),
+        "mean_accepted_per_step": _round(sum(r.new_tokens for r in with_steps) / steps) if steps else None,
+        "steps": steps if with_steps else None,
+        "draft_ms_per_step": _round(1e3 * sum(run.draft_s or 0.0 for run in with_steps) / steps) if steps else None,
+        "verify_ms_per_step": _round(1e3 * sum(run.verify_s or 0.0 for run in with_steps) / steps) if steps else None,
+        "identical": sum(1 for r in group if r.identical_to_plain is True),
+        "mismatches": sum(1 for r in group if r.identical_to_plain is False),
+        "acceptance_by_source": {
+            name: {
+                "proposals": st.proposals,
+                "proposed_tokens": st.proposed_tokens,
+                "accepted_tokens": st.accepted_tokens,
+                "acceptance": _round(st.acceptance),
+            }
+            for name, st in sources.items()
+        },
+    }
+
+
+def summarize(results: Sequence[ItemResult]) -> dict[str, dict[str, dict[str, Any]]]:
+    """{method: {"all" | kind: {tokens_per_s, speedup_vs_plain, mean_accepted_per_step, ...}}}."""
+    kinds = [ALL_KINDS, *kinds_in_order(results)]
+    return {m: {k: summarize_group(results, m, k) for k in kinds} for m in methods_in_order(results)}
+
+
+@dataclass
+class BenchReport:
+    model: str
+    threads: int
+    repeats: int
+    results: list[ItemResult]
+    skipped: dict[str, str] = field(default_factory=dict)
+    meta: dict[str, Any] = field(default_factory=dict)
+
+
+def item_record(r: ItemResult) -> dict[str, Any]:
+    rep = r.representative
+    return {
+        "id": r.item_id,
+        "kind": r.kind,
+        "method": r.method,
+        "new_tokens": r.new_tokens,
+        "seconds": round(r.seconds, 6),
+        "tokens_per_s": round(r.tokens_per_s, 4),
+        "mean_accepted_per_step": _round(r.mean_accepted_per_step),
+        "identical_to_plain": r.identical_to_plain,
+        "first_difference": r.first_difference,
+        "mismatch_top2_gap": _round(r.mismatch_top2_gap, 6),
+        "stable_across_repeats": r.stable,
+        "seconds_by_repeat": [round(run.seconds, 6) for run in r.runs],
+        "prompt_tokens": rep.prompt_tokens,
+        "steps": rep.steps,
+        "draft_ms_per_step": _round(1e3 * rep.draft_s / rep.steps) if rep.steps and rep.draft_s is not None else None,
+        "verify_ms_per_step": _round(1e3 * rep.verify_s / rep.steps) if rep.steps and rep.verify_s is not None else None,
+        "sources": {
+            n: {"proposals": s.proposals, "proposed_tokens": s.proposed_tokens, "accepted_tokens": s.accepted_tokens}
+            for n, s in rep.sources.items()
+        },
+        "text": rep.text,
+    }
+
+
+def report_to_json(report: BenchReport) -> dict[str, Any]:
+    out: dict[str, Any] = {
+        "model": report.model,
+        "threads": report.threads,
+        "repeats": report.repeats,
+    }
+    out.update(report.meta)
+    out["methods"] = methods_in_order(report.results)
+    out["skipped"] = dict(report.skipped)
+    out["summary"] = summarize(report.results)
+    out["items"] = [item_record(r) for r in report.results]
+    out["mismatches"] = [
+        {
+            "id": r.item_id,
+            "method": r.method,
+            "first_difference": r.first_difference,
+            "repeat": r.mismatch_repeat,
+            "mismatch_top2_gap": _round(r.mismatch_top2_gap, 6),
+        }
+        for r in report.results
+        if r.identical_to_plain is False
+    ]
+    return out
+
+
+def _fmt(x: float | None, spec: str, none: str = "-") -> str:
+    return none if x is None else format(x, spec)
+
+
+def _table(header: Sequence[str], rows: Sequence[Sequence[str]], right: Sequence[bool]) -> list[str]:
+    widths = [max(len(h), *(len(r[i]) for r in rows)) if rows else len(h) for i, h in enumerate(header)]
+
+    def line(cells):
+        return "  ".join(c.rjust(w) if ra else c.ljust(w) for c, w, ra in zip(cells, widths, right)).rstrip()
+
+    sep = "  ".join("-" * w for w in widths)
+    return [line(header), sep, *(line(r) for r in rows)]
+
+
+def format_report(report: BenchReport) -> str:
+    """The terminal tables: speed per kind and method, then acceptance per source."""
+    summary = summarize(report.results)
+    methods = list(summary)
+    kinds = [ALL_KINDS, *kinds_in_order(report.results)]
+    lines = [
+        f"model {report.model}  threads {report.threads}  repeats {report.repeats}  "
+        f"(median time per item; speedup = geometric mean of per-item tokens/s ratios vs plain)",
+        "",
+    ]
+    header = ["kind", "method", "items", "tok/s", "speedup", "tok/step", "draft ms/step", "verify ms/step", "identical"]
+    rows = []
+    for kind in kinds:
+        for m in methods:
+            s = summary[m][kind]
+            if m == PLAIN:
+                ident = "ref"
+            elif s["identical"] + s["mismatches"] == 0:
+                ident = "-"
+            else:
+                ident = f"{s['identical']}/{s['identical'] + s['mismatches']}"
+                if s["mismatches"]:
+                    ident += " !!"
+            rows.append([
+                kind if m == methods[0] else "",
+                m,
+                str(s["items"]),
+                _fmt(s["tokens_per_s"], ".1f"),
+                _fmt(s["speedup_vs_plain"], ".2f") + ("x" if s["speedup_vs_plain"] is not None else ""),
+                _fmt(s["mean_accepted_per_step"], ".2f"),
+                _fmt(s["draft_ms_per_step"], ".2f"),
+                _fmt(s["verify_ms_per_step"], ".2f"),
+                ident,
+            ])
+    lines += _table(header, rows, [False, False, True, True, True, True, True, True, True])
+    for name, why in report.skipped.items():
+        lines.append(f"{name}: skipped ({why})")
+
+    src_rows = []
+    for m in methods:
+        names = list(summary[m][ALL_KINDS]["acceptance_by_source"])
+        for n in names:
+            cells = [m, n]
+            for kind in kinds:
+                st = summary[m][kind]["acceptance_by_source"].get(n)
+                if not st or not st["proposed_tokens"]:
+                    cells.append("-")
+                else:
+                    cells.append(f"{st['accepted_tokens']}/{st['proposed_tokens']} {100 * st['acceptance']:.0f}%")
+            src_rows.append(cells)
+    if src_rows:
+        lines += ["", "acceptance per source: accepted / proposed drafted tokens"]
+        lines += _table(["method", "source", *kinds], src_rows, [False, False, *[True] * len(kinds)])
+
+    bad = [r for r in report.results if r.identical_to_plain is False]
+    if bad:
+        lines += ["", f"!!! {len(bad)} OUTPUT MISMATCH(ES) WITH PLAIN (lossless methods must match token for token):"]
+        for r in bad:
+            gap = f", plain top-2 logit gap {r.mismatch_top2_gap:.3g}" if r.mismatch_top2_gap is not None else ""
+            lines.append(f"!!!   item {r.item_id!r} method {r.method!r}: first difference at token {r.first_difference}{gap}")
+    unstable = [r for r in report.results if not r.stable]
+    if unstable:
+        lines += ["", "note: output changed between repeats for: " + ", ".join(f"{r.item_id}/{r.method}" for r in unstable)]
+    return "\n".join(lines)
+
+
+def write_plot(report: BenchReport, path: str | Path) -> None:
+    """A PNG: speedup vs plain per kind and method; acceptance rate per source and method."""
+    from matplotlib.backends.backend_agg import FigureCanvasAgg
+    from matplotlib.figure import Figure
+
+    summary = summarize(report.results)
+    methods = [m for m in summary if m != PLAIN]
+    kinds = [ALL_KINDS, *kinds_in_order(report.results)]
+    fig = Figure(figsize=(max(8.0, 1.4 * len(kinds) + 4), 8.5))
+    FigureCanvasAgg(fig)
+    ax1, ax2 = fig.subplots(2, 1)
+    width = 0.8 / max(1, len(methods))
+    for j, m in enumerate(methods):
+        vals = [summary[m][k]["speedup_vs_plain"] or 0.0 for k in kinds]
+        xs = [i + (j - (len(methods) - 1) / 2) * width for i in range(len(kinds))]
+        ax1.bar(xs, vals, width, label=m)
+    ax1.axhline(1.0, color="black", linewidth=0.8, linestyle="--")
+    ax1.set_xticks(range(len(kinds)), kinds)
+    ax1.set_ylabel("speedup vs plain (geo. mean)")
+    top = max([summary[m][k]["speedup_vs_plain"] or 0.0 for m in methods for k in kinds] + [1.0])
+    ax1.set_ylim(0, top * 1.3)  # room for the legend above the bars
+    threads = f"{report.threads} thread{'s' if report.threads != 1 else ''}"
+    ax1.set_title(f"speedup vs plain: {report.model}, {threads}, median of {report.repeats}")
+    if methods:
+        ax1.legend(fontsize="small", ncols=min(4, len(methods)), loc="upper left")
+
+    pairs = [
+        (m, n, st["acceptance"])
+        for m in summary
+        for n, st in summary[m][ALL_KINDS]["acceptance_by_source"].items()
+        if st["acceptance"] is not None
+    ]
+    if pairs:
+        sources = list(dict.fromkeys(n for _, n, _ in pairs))
+        engine = list(dict.fromkeys(m for m, _, _ in pairs))
+        width = min(0.35, 0.8 / len(engine))
+        for j, m in enumerate(engine):
+            got = {n: a for mm, n, a in pairs if mm == m}
+            xs = [i + (j - (len(engine) - 1) / 2) * width for i in range(len(sources))]
+            ax2.bar(xs, [100 * got.get(n, 0.0) for n in sources], width, label=m)
+        ax2.set_xticks(range(len(sources)), sources)
+        ax2.set_xlim(-0.6, len(sources) - 0.4)
+        ax2.set_ylabel("accepted / proposed tokens (%)")
+        ax2.set_ylim(0, min(100.0, max(100 * a for _, _, a in pairs) * 1.3 + 1))
+        ax2.set_title("acceptance per source (all items)")
+        ax2.legend(fontsize="small", loc="upper left")
+    else:
+        ax2.set_axis_off()
+        ax2.text(0.5, 0.5, "no draft source proposed anything", ha="center", va="center")
+    fig.tight_layout()
+    fig.savefig(str(path), format="png", dpi=100)
+
+
+# ====================================================================== environment
+def machine_info() -> dict[str, Any]:
+    cpu, physical = platform.processor() or platform.machine(), None
+    try:
+        text = Path("/proc/cpuinfo").read_text()
+        names = [ln.split(":", 1)[1].strip() for ln in text.splitlines() if ln.startswith("model name")]
+        if names:
+            cpu = names[0]
+        cores = set()
+        phys = core = None
+        for ln in text.splitlines() + [""]:
+            if ln.startswith("physical id"):
+                phys = ln.split(":", 1)[1].strip()
+            elif ln.startswith("core id"):
+                core = ln.split(":", 1)[1].strip()
+            elif not ln.strip():
+                if core is not None:
+                    cores.add((phys, core))
+                phys = core = None
+        physical = len(cores) or None
+    except OSError:
+        pass
+    info: dict[str, Any] = {
+        "cpu": cpu,
+        "physical_cores": physical,
+        "logical_cpus": os.cpu_count(),
+        "usable_cpus": len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count(),
+        "platform": platform.platform(),
+        "python": platform.python_version(),
+    }
+    with contextlib.suppress(OSError, AttributeError):
+        info["load_avg_1m"] = round(os.getloadavg()[0], 2)
+    for mod in ("torch", "transformers"):
+        with contextlib.suppress(ImportError):
+            info[mod] = __import__(mod).__version__
+    return info
+
+
+# ====================================================================== CLI
+def _positive_int(text: str) -> int:
+    try:
+        value = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected an integer, got {text!r}") from None
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"expected an integer >= 1, got {value}")
+    return value
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--workload", required=True, metavar="FILE.jsonl", help="workload file (JSON lines)")
+    parser.add_argument("--model", default="smollm2-135m", metavar="SPEC", help="target model (default: %(default)s)")
+    parser.add_argument(
+        "--methods",
+        default=DEFAULT_METHODS,
+        metavar="LIST",
+        help="comma-separated: plain, hf, hf-pld, hf-assist, draftmesh, draftmesh:<source> (one source alone), "
+        "draftmesh:* (each default source alone); plain is always run (default: %(default)s)",
+    )
+    parser.add_argument("--assistant", metavar="SPEC", default=None, help="assistant model for hf-assist")
+    parser.add_argument("--repeats", type=_positive_int, default=3, metavar="N", help="passes; median time kept (default: %(default)s)")
+    parser.add_argument("--threads", type=_positive_int, default=None, metavar="T", help="torch threads (default: torch's current setting)")
+    parser.add_argument("--json", metavar="OUT.json", default=None, help="write the full results as JSON")
+    parser.add_argument("--plot", metavar="OUT.png", default=None, help="write a PNG chart (needs matplotlib)")
+    parser.add_argument("--limit", type=_positive_int, default=None, metavar="N", help="only the first N items")
+    parser.add_argument("--max-new-tokens", type=_positive_int, default=None, metavar="N", help="override every item's max_new_tokens")
+    parser.add_argument(
+        "--max-nodes", type=_positive_int, default=None, metavar="N",
+        help="draft tree size cap for draftmesh methods (default: the engine's)",
+    )
+    parser.add_argument("--no-cost-curve", action="store_true", help="skip measuring the target's cost curve")
+    parser.add_argument("--no-progress", action="store_true", help="no progress bar")
+
+
+def _error(msg: str) -> int:
+    print(f"draftmesh bench: error: {msg}", file=sys.stderr)
+    return EXIT_USAGE
+
+
+def _load_target(spec_or_target):
+    from draftmesh.verify.backend import TorchTarget
+
+    if isinstance(spec_or_target, TorchTarget):
+        return spec_or_target
+    return TorchTarget.load(str(spec_or_target))
+
+
+def prepare_items(items: Sequence[WorkItem], target, max_new_tokens: int | None = None) -> list[PreparedItem]:
+    """Render prompts with the target's tokenizer and check each fits the model's context."""
+    prepared, problems = [], []
+    for it in items:
+        n = max_new_tokens or it.max_new_tokens
+        try:
+            ids = render_prompt_ids(it, target.tokenizer)
+        except Exception as exc:  # noqa: BLE001 - reported with the item id
+            problems.append(f"item {it.id!r} (line {it.line}): cannot render the prompt: {exc}")
+            continue
+        if not ids:
+            problems.append(f"item {it.id!r} (line {it.line}): the prompt renders to no tokens")
+        elif len(ids) + n > target.max_context:
+            problems.append(
+                f"item {it.id!r} (line {it.line}): prompt {len(ids)} + max_new_tokens {n} tokens exceeds "
+                f"the model context of {target.max_context}"
+            )
+        else:
+            prepared.append(PreparedItem(it, tuple(ids), n))
+    if problems:
+        raise ValueError("\n  ".join(["some items cannot run on this model:", *problems]))
+    return prepared
+
+
+def run(args: argparse.Namespace) -> int:
+    """Run the benchmark described by ``args`` (see ``add_arguments``); return the exit status.
+
+    ``args.model`` (and ``args.assistant``) may be a model spec or an already-loaded
+    ``TorchTarget``, so tests and callers can inject a model.
+    """
+    import torch
+
+    opt = lambda name, default=None: getattr(args, name, default)  # noqa: E731 - Namespaces built by hand
+    try:
+        items = load_workload(args.workload)
+        methods = parse_methods(opt("methods") or DEFAULT_METHODS)
+    except (WorkloadError, ValueError) as exc:
+        return _error(str(exc))
+    if opt("limit"):
+        items = items[: opt("limit")]
+    repeats = opt("repeats") or 3
+    if opt("plot"):
+        try:
+            import matplotlib  # noqa: F401
+        except ImportError:
+            return _error("--plot needs matplotlib (pip install matplotlib)")
+
+    skipped: dict[str, str] = {}
+    if any(m.name == HF_ASSIST for m in methods) and opt("assistant") is None:
+        skipped[HF_ASSIST] = "no --assistant given"
+        methods = [m for m in methods if m.name != HF_ASSIST]
+
+    old_threads = torch.get_num_threads()
+    threads = opt("threads") or old_threads
+    torch.set_num_threads(threads)
+    try:
+        model = opt("model") or "smollm2-135m"
+        try:
+            target = _load_target(model)
+            assistant = _load_target(opt("assistant")) if opt("assistant") is not None else None
+            prepared = prepare_items(items, target, opt("max_new_tokens"))
+        except (ValueError, FileNotFoundError, OSError) as exc:
+            return _error(str(exc))
+        runners = [
+            make_runner(m, target, assistant=assistant, max_nodes=opt("max_nodes")) for m in methods
+        ]
+        results = execute(runners, prepared, repeats, progress=not opt("no_progress"), tokenizer=target.tokenizer)
+        by_id = {p.id: p for p in prepared}
+        plain = {r.item_id: r for r in results if r.method == PLAIN}
+        for r in results:
+            if r.identical_to_plain is False and r.first_difference is not None:
+                ref = plain[r.item_id].runs[r.mismatch_repeat or 0].token_ids
+                try:
+                    r.mismatch_top2_gap = top2_gap(target, by_id[r.item_id].prompt_ids, ref[: r.first_difference])
+                except Exception:  # noqa: BLE001 - the gap is a diagnostic only
+                    r.mismatch_top2_gap = None
+        cost_curve = {}
+        if not opt("no_cost_curve"):
+            cost_curve = target.cost_curve or target.measure_cost_curve()
+        meta = {
+            "date": datetime.now(timezone.utc).isoformat(timespec="seconds"),
+            "command": opt("command_line") or shlex.join(sys.argv),
+            "machine": machine_info(),
+            "dtype": str(target.dtype).replace("torch.", ""),
+            "device": str(target.device),
+            "assistant": getattr(assistant, "name", None),
+            "workload": {"path": str(args.workload), "items": len(prepared)},
+            "max_new_tokens_override": opt("max_new_tokens"),
+            "max_nodes": opt("max_nodes"),
+            "cost_curve": {str(k): round(v, 4) for k, v in cost_curve.items()},
+            "step_ms": round(1e3 * target.step_seconds, 4) if cost_curve and target.step_seconds else None,
+        }
+        name = model if isinstance(model, str) else getattr(target, "name", "model")
+        report = BenchReport(name, threads, repeats, results, skipped, meta)
+        print(format_report(report))
+        if opt("json"):
+            Path(opt("json")).write_text(json.dumps(report_to_json(report), indent=2) + "\n", encoding="utf-8")
+            print(f"wrote {opt('json')}")
+        if opt("plot"):
+            write_plot(report, opt("plot"))
+            print(f"wrote {opt('plot')}")
+        return EXIT_MISMATCH if any(r.identical_to_plain is False for r in results) else EXIT_OK
+    finally:
+        torch.set_num_threads(old_threads)

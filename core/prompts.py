@@ -1,0 +1,41 @@
+"""Turn a user's prompt or chat messages into target token ids.
+
+Instruction models carry a chat template; base models (the packaged Gemma 3 270M is one)
+do not, so messages are rendered as a plain transcript for them instead of failing.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Mapping, Sequence
+
+ROLES = ("system", "user", "assistant")
+
+
+def validate_messages(messages: Any) -> list[dict[str, str]]:
+    if not isinstance(messages, (list, tuple)) or not messages:
+        raise ValueError("messages must be a non-empty list of {role, content} objects")
+    out = []
+    for i, msg in enumerate(messages):
+        if not isinstance(msg, Mapping):
+            raise ValueError(f"messages[{i}] must be an object with role and content")
+        role, content = msg.get("role"), msg.get("content")
+        if role not in ROLES:
+            raise ValueError(f"messages[{i}].role must be one of {', '.join(ROLES)}, got {role!r}")
+        if not isinstance(content, str):
+            raise ValueError(f"messages[{i}].content must be a string")
+        out.append({"role": role, "content": content})
+    return out
+
+
+def encode_messages(tokenizer, messages: Sequence[Mapping[str, str]]) -> list[int]:
+    msgs = validate_messages(messages)
+    if getattr(tokenizer, "chat_template", None):
+        return list(tokenizer.apply_chat_template(msgs, add_generation_prompt=True)["input_ids"])
+    transcript = "".join(f"{m['role'].capitalize()}: {m['content']}\n\n" for m in msgs) + "Assistant:"
+    return encode_prompt(tokenizer, transcript)
+
+
+def encode_prompt(tokenizer, text: str) -> list[int]:
+    if not isinstance(text, str):
+        raise ValueError("prompt must be a string")
+    return list(tokenizer(text)["input_ids"])

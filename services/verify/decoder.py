@@ -1,0 +1,395 @@
+"""The decode loop a verifier runs for one request.
+
+prefill, then repeat {ask the sources, build the tree, one forward over it, accept,
+commit the KV of the accepted path, emit} until EOS, a stop string or the token budget.
+With no sources (or speculation off) the same loop is plain autoregressive decoding,
+the baseline every speed figure is compared with.
+
+The loop receives its sources and its tree builder as objects (small protocols), so this
+package never imports the router that implements the smart builder.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import logging
+import time
+import uuid
+from dataclasses import dataclass, field
+from typing import Any, Callable, Iterator, Mapping, Protocol, Sequence
+
+from draftmesh.draft.base import DraftContext, DraftSource, LearningSource, Proposal
+from draftmesh.verify.acceptance import Verdict
+from draftmesh.verify.policy import AcceptancePolicy, make_policy
+from draftmesh.verify.backend import KVState, TorchTarget
+from draftmesh.verify.sampling import SamplingParams
+from draftmesh.verify.tree import DraftSequence, TokenTree
+
+log = logging.getLogger(__name__)
+
+TEXT_TAIL_TOKENS = 48
+
+
+@dataclass(frozen=True)
+class GenerationRequest:
+    prompt_ids: tuple[int, ...]
+    max_new_tokens: int = 128
+    sampling: SamplingParams = SamplingParams()
+    stop: tuple[str, ...] = ()
+    speculate: bool = True
+    request_id: str = ""
+    session_id: str | None = None
+    documents: tuple[str, ...] = ()
+    policy: str = "exact"
+    """Acceptance policy; anything but "exact" is a lossy opt-in."""
+    policy_params: Mapping[str, Any] = dataclasses.field(default_factory=dict)
+
+
+@dataclass
+class StepRecord:
+    tree_size: int
+    accepted: int
+    """Drafted tokens accepted this step (the bonus/correction token not counted)."""
+    emitted: int
+    """Tokens committed this step: accepted + 1, less any cut by EOS/stop/budget."""
+    draft_s: float
+    verify_s: float
+    proposed_by_source: dict[str, int] = field(default_factory=dict)
+    accepted_by_source: dict[str, int] = field(default_factory=dict)
+    failed_sources: tuple[str, ...] = ()
+    lenient: int = 0
+    """Accepted tokens that only a lossy policy let through."""
+
+
+@dataclass
+class StepEvent:
+    token_ids: list[int]
+    text: str
+    record: StepRecord
+
+
+@dataclass
+class GenerationResult:
+    token_ids: list[int]
+    text: str
+    finish_reason: str
+    """"eos", "stop" or "length"."""
+    prompt_tokens: int
+    steps: list[StepRecord]
+    seconds: float
+    first_token_s: float
+    policy: str = "exact"
+    lossless: bool = True
+    lenient_tokens: int = 0
+
+    @property
+    def mean_accepted_per_step(self) -> float:
+        """Tokens committed per target forward (1.0 for plain decoding)."""
+        return len(self.token_ids) / max(1, len(self.steps))
+
+    @property
+    def tokens_per_s(self) -> float:
+        return len(self.token_ids) / self.seconds if self.seconds > 0 else 0.0
+
+
+class TreeBuilder(Protocol):
+    """Turns a step's proposals into a tree and learns from each verdict."""
+
+    max_nodes: int
+
+    def build(self, proposals: Sequence[Proposal], ctx: DraftContext) -> TokenTree: ...
+
+    def observe(self, tree: TokenTree, verdict: Verdict, ctx: DraftContext | None = None) -> None: ...
+
+    def finish(self, request_id: str) -> None: ...
+
+
+class TrieBuilder:
+    """The simplest builder: merge token proposals, most confident first, up to a node cap.
+
+    Sampled (q) draws keep their distributions only when no proposal was reordered or cut,
+    since choosing drafts by their values would bias the residual rule.
+    """
+
+    def __init__(self, max_nodes: int = 16) -> None:
+        if max_nodes < 0:
+            raise ValueError(f"max_nodes must be >= 0, got {max_nodes}")
+        self.max_nodes = max_nodes
+
+    def build(self, proposals: Sequence[Proposal], ctx: DraftContext) -> TokenTree:
+        usable = [p for p in proposals if p.token_ids]
+        ranked = sorted(usable, key=lambda p: -p.confidence)
+        seqs = [DraftSequence(p.token_ids, p.source, p.token_dists, p.token_probs) for p in ranked]
+        tree = TokenTree.from_sequences(seqs, max_nodes=self.max_nodes)
+        complete = sum(len(s.tokens) for s in seqs) == len(tree) or not any(p.token_dists is not None for p in usable)
+        if ranked != usable or not complete:
+            tree = tree.strip_q()
+        return tree
+
+    def observe(self, tree: TokenTree, verdict: Verdict, ctx: DraftContext | None = None) -> None:
+        return None
+
+    def finish(self, request_id: str) -> None:
+        return None
+
+
+FlagProvider = Callable[[DraftContext, TokenTree], frozenset[int]]
+"""Returns the tree nodes inside spans flagged by the fact-check service."""
+
+
+class SpeculativeDecoder:
+    def __init__(
+        self,
+        target: TorchTarget,
+        sources: Sequence[DraftSource] = (),
+        builder: TreeBuilder | None = None,
+        flag_provider: FlagProvider | None = None,
+    ) -> None:
+        self.target = target
+        self.sources = list(sources)
+        self.builder = builder or TrieBuilder()
+        self.flag_provider = flag_provider
+
+    # ------------------------------------------------------------------ validation
+    def validate(self, req: GenerationRequest) -> None:
+        ctx = self.target.max_context
+        if len(req.prompt_ids) == 0:
+            raise ValueError("prompt is empty")
+        if len(req.prompt_ids) >= ctx:
+            raise ValueError(f"prompt has {len(req.prompt_ids)} tokens; the model context is {ctx}")
+        if not isinstance(req.max_new_tokens, int) or req.max_new_tokens < 1:
+            raise ValueError(f"max_new_tokens must be an integer >= 1, got {req.max_new_tokens!r}")
+        if len(req.prompt_ids) + req.max_new_tokens > ctx:
+            raise ValueError(
+                f"prompt ({len(req.prompt_ids)} tokens) + max_new_tokens ({req.max_new_tokens}) "
+                f"exceeds the model context of {ctx}"
+            )
+        bad = [t for t in req.prompt_ids if not 0 <= t < self.target.vocab_size]
+        if bad:
+            raise ValueError(f"prompt token ids outside the vocabulary: {bad[:5]}")
+        if any(not isinstance(s, str) or not s for s in req.stop):
+            raise ValueError("stop strings must be non-empty strings")
+        make_policy(req.policy, req.policy_params)
+
+    # ------------------------------------------------------------------ the loop
+    def generate(self, req: GenerationRequest) -> GenerationResult:
+        result = None
+        for event in self.stream(req):
+            result = event
+        assert isinstance(result, GenerationResult)
+        return result
+
+    def stream(self, req: GenerationRequest) -> Iterator[StepEvent | GenerationResult]:
+        """Yield a StepEvent per step (possibly with empty text), then the GenerationResult."""
+        self.validate(req)
+        if not req.request_id:
+            req = dataclasses.replace(req, request_id=uuid.uuid4().hex)
+        target = self.target
+        t_start = time.perf_counter()
+        prompt = list(req.prompt_ids)
+        state = KVState()
+        target.prefill(state, prompt[:-1])
+        pending = prompt[-1]
+        generator = None if req.sampling.greedy else req.sampling.generator()
+        policy: AcceptancePolicy = make_policy(req.policy, req.policy_params)
+        lenient_total = 0
+        text = _TextTracker(target.tokenizer, req.stop)
+        generated: list[int] = []
+        steps: list[StepRecord] = []
+        speculate = req.speculate and bool(self.sources)
+        first_token_s = 0.0
+        finish = None
+        while finish is None:
+            remaining = req.max_new_tokens - len(generated)
+            t0 = time.perf_counter()
+            tree, proposed, failed, ctx = TokenTree(), {}, (), None
+            if speculate and remaining > 1:
+                ctx = self._context(req, prompt, generated, size_hint=self.builder.max_nodes)
+                tree, proposed, failed = self._draft(ctx, state.length, remaining)
+            t1 = time.perf_counter()
+            base = state.length
+            logits = target.forward_tree(state, pending, tree)
+            flagged = frozenset()
+            if self.flag_provider is not None and ctx is not None and len(tree):
+                flagged = self._flags(ctx, tree)
+            verdict = policy.verify(tree, logits, req.sampling, generator, flagged)
+            target.commit(state, base, [0] + [1 + a for a in verdict.accepted])
+            t2 = time.perf_counter()
+            self.builder.observe(tree, verdict, ctx)
+
+            new = [tree.tokens[a] for a in verdict.accepted] + [verdict.next_token]
+            taken = 0
+            for tok in new:
+                generated.append(tok)
+                taken += 1
+                if tok in target.eos_token_ids:
+                    finish = "eos"
+                    break
+                if len(generated) >= req.max_new_tokens:
+                    finish = "length"
+                    break
+            delta, cut = text.update(generated, len(generated) - taken)
+            if cut is not None:
+                taken -= len(generated) - cut
+                del generated[cut:]
+                finish = "stop"
+            accepted_by_source: dict[str, int] = {}
+            for a in verdict.accepted[: min(taken, len(verdict.accepted))]:
+                for src in tree.sources[a]:
+                    accepted_by_source[src] = accepted_by_source.get(src, 0) + 1
+            record = StepRecord(
+                tree_size=len(tree),
+                accepted=len(verdict.accepted),
+                emitted=taken,
+                draft_s=t1 - t0,
+                verify_s=t2 - t1,
+                proposed_by_source=proposed,
+                accepted_by_source=accepted_by_source,
+                failed_sources=failed,
+                lenient=min(verdict.lenient, taken),
+            )
+            lenient_total += record.lenient
+            steps.append(record)
+            if not first_token_s:
+                first_token_s = time.perf_counter() - t_start
+            pending = generated[-1] if generated else pending
+            yield StepEvent(generated[len(generated) - taken :], delta, record)
+        final_text = text.final(generated)
+        result = GenerationResult(
+            token_ids=generated,
+            text=final_text,
+            finish_reason=finish,
+            prompt_tokens=len(prompt),
+            steps=steps,
+            seconds=time.perf_counter() - t_start,
+            first_token_s=first_token_s,
+            policy=policy.name,
+            lossless=policy.lossless,
+            lenient_tokens=lenient_total,
+        )
+        self.builder.finish(req.request_id)
+        self._finish_sources(req, prompt, generated, final_text)
+        yield result
+
+    def _context(self, req: GenerationRequest, prompt: list[int], generated: list[int], size_hint: int) -> DraftContext:
+        ids = tuple(prompt + generated)
+        tail = self.target.tokenizer.decode(ids[-TEXT_TAIL_TOKENS:], skip_special_tokens=False)
+        return DraftContext(
+            token_ids=ids,
+            prompt_len=len(prompt),
+            text_tail=tail,
+            documents=req.documents,
+            session_id=req.session_id,
+            request_id=req.request_id,
+            size_hint=size_hint,
+        )
+
+    def _draft(
+        self, ctx: DraftContext, cache_len: int, remaining: int
+    ) -> tuple[TokenTree, dict[str, int], tuple[str, ...]]:
+        proposals: list[Proposal] = []
+        proposed: dict[str, int] = {}
+        failed: list[str] = []
+        for source in self.sources:
+            try:
+                got = source.propose(ctx)
+            except Exception:  # a broken source costs speed, never the request
+                log.exception("draft source %s failed; skipped for this step", source.name)
+                failed.append(source.name)
+                continue
+            valid = [p for p in got if self._usable(p)]
+            if len(valid) < len(got):
+                log.warning("draft source %s proposed tokens outside the vocabulary; dropped", source.name)
+                failed.append(source.name)
+            proposals.extend(valid)
+            proposed[source.name] = proposed.get(source.name, 0) + len(valid)
+        tree = self.builder.build(proposals, ctx)
+        # The bonus token always comes on top, and positions must stay inside the context.
+        max_depth = min(remaining - 1, self.target.max_context - cache_len - 2)
+        tree = tree.truncate_depth(max_depth)
+        tree.validate(self.target.vocab_size)
+        return tree, proposed, tuple(failed)
+
+    def _flags(self, ctx: DraftContext, tree: TokenTree) -> frozenset[int]:
+        try:
+            return frozenset(self.flag_provider(ctx, tree))
+        except Exception:  # no annotations: lossy policies then accept nothing leniently
+            log.exception("flag provider failed; treating every node as flagged")
+            return frozenset(range(len(tree)))
+
+    def _usable(self, proposal: Proposal) -> bool:
+        if proposal.token_ids is None:
+            return True
+        vocab = self.target.vocab_size
+        if not all(0 <= t < vocab for t in proposal.token_ids):
+            return False
+        dists = proposal.token_dists
+        return dists is None or (dists.dim() == 2 and dists.shape[1] == vocab)
+
+    def _finish_sources(self, req: GenerationRequest, prompt: list[int], generated: list[int], text: str) -> None:
+        learners = [s for s in self.sources if isinstance(s, LearningSource)]
+        if not learners:
+            return
+        ctx = self._context(req, prompt, [], size_hint=0)
+        for source in learners:
+            try:
+                source.finish(ctx, list(generated), text)
+            except Exception:
+                log.exception("draft source %s failed to record a finished request", source.name)
+
+
+class _TextTracker:
+    """Incremental detokenization: stream-safe deltas and stop-string cuts."""
+
+    def __init__(self, tokenizer, stop: Sequence[str]) -> None:
+        self.tokenizer = tokenizer
+        self.stop = tuple(stop)
+        self.longest_stop = max((len(s) for s in self.stop), default=0)
+        self.emitted = 0
+        self.stop_at: int | None = None
+
+    def _decode(self, ids: Sequence[int]) -> str:
+        return self.tokenizer.decode(ids, skip_special_tokens=True)
+
+    def update(self, generated: list[int], before: int) -> tuple[str, int | None]:
+        """Return (new text safe to emit, token count to cut to if a stop string appeared)."""
+        text = self._decode(generated)
+        cut = None
+        if self.stop:
+            hit = self._find_stop(text)
+            if hit is not None:
+                self.stop_at = hit
+                cut = self._tokens_for_stop(generated, before)
+                text = text[:hit]
+        safe = len(text)
+        if cut is None:
+            safe -= self._held_back(text)
+        while safe > self.emitted and text[safe - 1] == "\ufffd":  # an incomplete UTF-8 sequence
+            safe -= 1
+        delta = text[self.emitted : safe] if safe > self.emitted else ""
+        self.emitted = max(self.emitted, safe)
+        return delta, cut
+
+    def final(self, generated: list[int]) -> str:
+        text = self._decode(generated)
+        return text[: self.stop_at] if self.stop_at is not None else text
+
+    def _find_stop(self, text: str) -> int | None:
+        start = max(0, self.emitted - self.longest_stop)
+        hits = [i for s in self.stop if (i := text.find(s, start)) >= 0]
+        return min(hits) if hits else None
+
+    def _tokens_for_stop(self, generated: list[int], before: int) -> int:
+        """The fewest tokens whose text already contains a stop string (what plain decoding sees)."""
+        for n in range(max(1, before), len(generated) + 1):
+            if self._find_stop(self._decode(generated[:n])) is not None:
+                return n
+        return len(generated)
+
+    def _held_back(self, text: str) -> int:
+        """Length of the longest text suffix that could still grow into a stop string."""
+        for k in range(min(self.longest_stop - 1, len(text)), 0, -1):
+            tail = text[-k:]
+            if any(s.startswith(tail) for s in self.stop):
+                return k
+        return 0

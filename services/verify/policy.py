@@ -1,0 +1,72 @@
+"""Acceptance policies: how a verdict is reached from the one verify forward pass.
+
+``exact`` (the default) is lossless: greedy match or rejection sampling. Lossy policies
+are explicit per-request opt-ins; every result says whether it was lossless and how many
+tokens were accepted leniently. Nodes in ``flagged`` (spans the fact-check service has
+flagged) may only be accepted by the exact rule, whatever the policy.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Callable, Mapping, Protocol
+
+import torch
+
+from draftmesh.verify.acceptance import Verdict, verify_greedy, verify_sampling
+from draftmesh.verify.sampling import SamplingParams
+from draftmesh.verify.tree import TokenTree
+
+
+class AcceptancePolicy(Protocol):
+    name: str
+    lossless: bool
+
+    def verify(
+        self,
+        tree: TokenTree,
+        logits: torch.Tensor,
+        sampling: SamplingParams,
+        generator: torch.Generator | None,
+        flagged: frozenset[int] = frozenset(),
+    ) -> Verdict: ...
+
+
+class ExactPolicy:
+    """Lossless: greedy output identical to plain greedy; sampling exactly the target's law."""
+
+    name = "exact"
+    lossless = True
+
+    def verify(self, tree, logits, sampling, generator, flagged=frozenset()) -> Verdict:
+        if sampling.greedy:
+            return verify_greedy(tree, logits)
+        assert generator is not None
+        return verify_sampling(tree, logits, sampling, generator)
+
+
+PolicyFactory = Callable[..., AcceptancePolicy]
+POLICIES: dict[str, PolicyFactory] = {"exact": ExactPolicy}
+
+
+def register(name: str, factory: PolicyFactory) -> None:
+    POLICIES[name] = factory
+
+
+def make_policy(name: str = "exact", params: Mapping[str, Any] | None = None) -> AcceptancePolicy:
+    """Build a policy by name; unknown names and bad parameters are ValueErrors."""
+    _load_builtin_policies()
+    try:
+        factory = POLICIES[name]
+    except KeyError:
+        raise ValueError(f"unknown acceptance policy {name!r}; available: {', '.join(sorted(POLICIES))}") from None
+    try:
+        return factory(**dict(params or {}))
+    except TypeError as exc:
+        raise ValueError(f"bad parameters for acceptance policy {name!r}: {exc}") from None
+
+
+def _load_builtin_policies() -> None:
+    try:
+        import draftmesh.verify.lossy  # noqa: F401  (registers the lossy opt-ins)
+    except ImportError:
+        pass

@@ -1,0 +1,103 @@
+"""Tree attention and KV compaction against sequential decoding (float64, random weights)."""
+
+from __future__ import annotations
+
+import random
+
+import torch
+
+from draftmesh.verify.backend import KVState
+from draftmesh.verify.tree import TokenTree
+
+
+def random_tree(rng: random.Random, vocab: int, n: int, max_depth: int = 6) -> TokenTree:
+    tree = TokenTree()
+    while len(tree) < n:
+        candidates = [-1] + [i for i, d in enumerate(tree.depths) if d < max_depth]
+        parent = rng.choice(candidates)
+        tree.add(parent, rng.randrange(vocab), "test")
+    return tree
+
+
+def sequential_logits(target, prefix: list[int], path_tokens: list[int]) -> torch.Tensor:
+    """Logits after each of prefix[-1], path_tokens... by plain one-token steps."""
+    state = KVState()
+    target.prefill(state, prefix[:-1])
+    rows = [target.step(state, prefix[-1])[0]]
+    for tok in path_tokens:
+        rows.append(target.step(state, tok)[0])
+    return torch.stack(rows)
+
+
+def test_tree_logits_equal_sequential_decoding(tiny):
+    rng = random.Random(1)
+    # contexts longer than the sliding window (8) exercise the Gemma 3 window in the tree mask
+    for context_len in (1, 5, 30):
+        prompt = [rng.randrange(1, tiny.vocab_size) for _ in range(context_len)]
+        tree = random_tree(rng, tiny.vocab_size, 12)
+        state = KVState()
+        tiny.prefill(state, prompt[:-1])
+        logits = tiny.forward_tree(state, prompt[-1], tree)
+        assert logits.shape == (len(tree) + 1, tiny.vocab_size)
+        for node in range(len(tree)):
+            path = tree.path_to(node)
+            seq = sequential_logits(tiny, prompt, [tree.tokens[i] for i in path])
+            torch.testing.assert_close(logits[1 + node], seq[-1], rtol=1e-9, atol=1e-9)
+        torch.testing.assert_close(logits[0], seq[0], rtol=1e-9, atol=1e-9)
+
+
+def test_deep_tree_crossing_the_sliding_window(tiny):
+    """A chain deeper than the window: nodes must stop seeing far ancestors too."""
+    rng = random.Random(2)
+    prompt = [rng.randrange(1, tiny.vocab_size) for _ in range(20)]
+    tree = TokenTree()
+    node = -1
+    for _ in range(14):
+        node = tree.add(node, rng.randrange(1, tiny.vocab_size), "chain")
+    state = KVState()
+    tiny.prefill(state, prompt[:-1])
+    logits = tiny.forward_tree(state, prompt[-1], tree)
+    seq = sequential_logits(tiny, prompt, tree.tokens)
+    torch.testing.assert_close(logits, seq, rtol=1e-9, atol=1e-9)
+
+
+def test_commit_keeps_only_the_accepted_path_and_equals_a_fresh_prefill(tiny):
+    rng = random.Random(3)
+    for trial in range(6):
+        prompt = [rng.randrange(1, tiny.vocab_size) for _ in range(rng.randrange(2, 25))]
+        tree = random_tree(rng, tiny.vocab_size, rng.randrange(1, 16))
+        leaf = rng.randrange(len(tree))
+        path = tree.path_to(leaf)
+        state = KVState()
+        tiny.prefill(state, prompt[:-1])
+        base = state.length
+        tiny.forward_tree(state, prompt[-1], tree)
+        tiny.commit(state, base, [0] + [1 + i for i in path])
+        fresh = KVState()
+        tiny.prefill(fresh, prompt + [tree.tokens[i] for i in path])
+        assert state.length == fresh.length == len(prompt) + len(path)
+        for got, want in zip(state.cache.layers, fresh.cache.layers):
+            assert got.keys.shape == want.keys.shape
+            torch.testing.assert_close(got.keys, want.keys, rtol=1e-9, atol=1e-9)
+            torch.testing.assert_close(got.values, want.values, rtol=1e-9, atol=1e-9)
+
+
+def test_commit_of_nothing_rolls_back_the_whole_tree(tiny):
+    prompt = [3, 4, 5, 6]
+    tree = random_tree(random.Random(4), tiny.vocab_size, 5)
+    state = KVState()
+    tiny.prefill(state, prompt[:-1])
+    before = [layer.keys.clone() for layer in state.cache.layers]
+    tiny.forward_tree(state, prompt[-1], tree)
+    tiny.commit(state, 3, [])
+    assert state.length == 3
+    for got, want in zip(state.cache.layers, before):
+        torch.testing.assert_close(got.keys, want)
+
+
+def test_cost_curve_is_relative_to_a_single_token_step(tiny):
+    curve = tiny.measure_cost_curve(sizes=(1, 4, 16), context=16, repeats=2)
+    assert set(curve) == {1, 4, 16}
+    assert curve[1] == 1.0
+    assert all(v > 0 for v in curve.values())
+    assert tiny.step_seconds and tiny.step_seconds > 0

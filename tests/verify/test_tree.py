@@ -1,0 +1,82 @@
+"""Token tree construction, invariants and validation."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from draftmesh.verify.tree import DraftSequence, QDraw, TokenTree
+
+
+def test_sequences_merge_common_prefixes_and_record_every_source():
+    tree = TokenTree.from_sequences(
+        [
+            DraftSequence([5, 6, 7], "a"),
+            DraftSequence([5, 6, 8], "b"),
+            DraftSequence([5, 6, 7, 9], "b"),
+            DraftSequence([4], "c"),
+        ]
+    )
+    assert tree.tokens == [5, 6, 7, 8, 9, 4]
+    assert tree.parents == [-1, 0, 1, 1, 2, -1]
+    assert tree.depths == [1, 2, 3, 3, 4, 1]
+    assert tree.sources[0] == ("a", "b") and tree.sources[3] == ("b",) and tree.sources[5] == ("c",)
+    assert tree.children(-1) == [0, 5] and tree.children(1) == [2, 3]
+    assert tree.path_to(4) == [0, 1, 2, 4]
+    tree.validate(vocab_size=10)
+
+
+def test_node_budget_cuts_chains_but_keeps_shared_prefixes():
+    tree = TokenTree.from_sequences([DraftSequence([1, 2, 3], "a"), DraftSequence([1, 2, 4, 5], "b")], max_nodes=4)
+    assert tree.tokens == [1, 2, 3, 4]
+
+
+def test_q_draws_are_kept_per_source_with_their_order():
+    q = torch.full((6,), 1 / 6, dtype=torch.float64)
+    tree = TokenTree.from_sequences(
+        [DraftSequence([1, 2], "a", dists=torch.stack([q, q])), DraftSequence([1], "b", dists=q[None])]
+    )
+    assert [d.source for d in tree.qdraws[0]] == ["a", "b"]
+    assert [d.order for d in tree.qdraws[0]] == [0, 1]
+    assert tree.strip_q().qdraws == [(), ()]
+
+
+def test_ancestor_matrix_is_ancestors_and_self():
+    tree = TokenTree.from_sequences([DraftSequence([1, 2], "a"), DraftSequence([3], "a")])
+    anc = tree.ancestor_matrix()
+    assert anc.tolist() == [[True, False, False], [True, True, False], [False, False, True]]
+
+
+def test_subtree_requires_closure_under_ancestors():
+    tree = TokenTree.from_sequences([DraftSequence([1, 2, 3], "a")])
+    assert tree.subtree([0, 1]).tokens == [1, 2]
+    with pytest.raises(ValueError, match="without its parent"):
+        tree.subtree([0, 2])
+    assert tree.truncate_depth(2).tokens == [1, 2]
+
+
+@pytest.mark.parametrize(
+    "mutate, message",
+    [
+        (lambda t: t.parents.__setitem__(1, 1), "parents must precede children"),
+        (lambda t: t.parents.__setitem__(1, 5), "parents must precede children"),
+        (lambda t: t.depths.__setitem__(1, 7), "expected 2"),
+        (lambda t: t.tokens.__setitem__(2, 99), "outside the vocabulary"),
+        (lambda t: t.tokens.__setitem__(2, -3), "outside the vocabulary"),
+        (lambda t: t.sources.pop(), "sources has 2 entries"),
+        (lambda t: (t.tokens.append(1), t.parents.append(-1), t.depths.append(1), t.sources.append(("x",)),
+                    t.qdraws.append(()), t.draft_probs.append(None)), "duplicate siblings"),
+        (lambda t: t.qdraws.__setitem__(0, (QDraw("a", 0, torch.ones(3)),)), r"expected \(10,\)"),
+    ],
+)
+def test_malformed_trees_are_rejected_with_the_reason(mutate, message):
+    tree = TokenTree.from_sequences([DraftSequence([1, 2], "a"), DraftSequence([3], "a")])
+    mutate(tree)
+    with pytest.raises(ValueError, match=message):
+        tree.validate(vocab_size=10)
+
+
+def test_tree_size_is_bounded():
+    tree = TokenTree.from_sequences([DraftSequence(list(range(50)), "a")])
+    with pytest.raises(ValueError, match="exceeds the limit"):
+        tree.validate(max_nodes=20)

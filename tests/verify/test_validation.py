@@ -1,0 +1,82 @@
+"""Bad requests are ValueErrors that say what is wrong; nothing is generated for them."""
+
+from __future__ import annotations
+
+import pytest
+
+from draftmesh.draft.base import Proposal
+from draftmesh.verify.decoder import GenerationRequest, SpeculativeDecoder
+from draftmesh.verify.sampling import SamplingParams
+
+
+@pytest.fixture(scope="module")
+def decoder():
+    from tiny_models import tiny_target
+
+    return SpeculativeDecoder(tiny_target("llama"))
+
+
+@pytest.mark.parametrize(
+    "kwargs, message",
+    [
+        (dict(prompt_ids=()), "prompt is empty"),
+        (dict(prompt_ids=(1,) * 256), "model context is 256"),
+        (dict(prompt_ids=(1, 2), max_new_tokens=0), "max_new_tokens must be an integer >= 1"),
+        (dict(prompt_ids=(1, 2), max_new_tokens=-5), "max_new_tokens must be an integer >= 1"),
+        (dict(prompt_ids=(1, 2), max_new_tokens=255), "exceeds the model context"),
+        (dict(prompt_ids=(1, 999)), "outside the vocabulary"),
+        (dict(prompt_ids=(1, 2), stop=("",)), "stop strings must be non-empty"),
+    ],
+)
+def test_bad_requests(decoder, kwargs, message):
+    with pytest.raises(ValueError, match=message):
+        decoder.generate(GenerationRequest(**kwargs))
+
+
+@pytest.mark.parametrize(
+    "kwargs, message",
+    [
+        (dict(temperature=-0.1), "temperature must be >= 0"),
+        (dict(temperature=float("nan")), "temperature must be a number"),
+        (dict(top_p=0.0), r"top_p must be in \(0, 1\]"),
+        (dict(top_p=1.5), r"top_p must be in \(0, 1\]"),
+        (dict(top_k=-1), "top_k must be an integer >= 0"),
+        (dict(seed=-3), "seed must be a non-negative integer"),
+    ],
+)
+def test_bad_sampling_parameters(kwargs, message):
+    with pytest.raises(ValueError, match=message):
+        SamplingParams(**kwargs)
+
+
+def test_a_source_drafting_outside_the_vocabulary_is_dropped_not_fatal(decoder):
+    class Bad:
+        name = "bad"
+
+        def propose(self, ctx):
+            return [Proposal("bad", token_ids=(10_000,)), Proposal("bad", token_ids=(-1, 2))]
+
+    want = decoder.generate(GenerationRequest((1, 2, 3), max_new_tokens=6))
+    got = SpeculativeDecoder(decoder.target, [Bad()]).generate(GenerationRequest((1, 2, 3), max_new_tokens=6))
+    assert got.token_ids == want.token_ids
+    assert got.steps[0].failed_sources == ("bad",) and got.steps[0].tree_size == 0
+
+
+def test_a_raising_source_is_skipped_and_counted(decoder):
+    class Broken:
+        name = "broken"
+
+        def propose(self, ctx):
+            raise RuntimeError("boom")
+
+    want = decoder.generate(GenerationRequest((1, 2, 3), max_new_tokens=8))
+    got = SpeculativeDecoder(decoder.target, [Broken()]).generate(GenerationRequest((1, 2, 3), max_new_tokens=8))
+    assert got.token_ids == want.token_ids
+    assert all(step.failed_sources == ("broken",) for step in got.steps[:-1])
+
+
+def test_invalid_proposals_are_rejected_at_construction():
+    with pytest.raises(ValueError, match="exactly one of token_ids or text"):
+        Proposal("x")
+    with pytest.raises(ValueError, match="token_probs length"):
+        Proposal("x", token_ids=(1, 2), token_probs=(0.5,))
