@@ -690,6 +690,10 @@ class BenchReport:
     meta: dict[str, Any] = field(default_factory=dict)
 
 
+def _per_step_ms(seconds: float | None, steps: int | None) -> float | None:
+    return _round(1e3 * seconds / steps) if steps and seconds is not None else None
+
+
 def item_record(r: ItemResult) -> dict[str, Any]:
     rep = r.representative
     return {
@@ -707,8 +711,8 @@ def item_record(r: ItemResult) -> dict[str, Any]:
         "seconds_by_repeat": [round(run.seconds, 6) for run in r.runs],
         "prompt_tokens": rep.prompt_tokens,
         "steps": rep.steps,
-        "draft_ms_per_step": _round(1e3 * rep.draft_s / rep.steps) if rep.steps and rep.draft_s is not None else None,
-        "verify_ms_per_step": _round(1e3 * rep.verify_s / rep.steps) if rep.steps and rep.verify_s is not None else None,
+        "draft_ms_per_step": _per_step_ms(rep.draft_s, rep.steps),
+        "verify_ms_per_step": _per_step_ms(rep.verify_s, rep.steps),
         "sources": {
             n: {"proposals": s.proposals, "proposed_tokens": s.proposed_tokens, "accepted_tokens": s.accepted_tokens}
             for n, s in rep.sources.items()
@@ -815,10 +819,13 @@ def format_report(report: BenchReport) -> str:
         lines += ["", f"!!! {len(bad)} OUTPUT MISMATCH(ES) WITH PLAIN (lossless methods must match token for token):"]
         for r in bad:
             gap = f", plain top-2 logit gap {r.mismatch_top2_gap:.3g}" if r.mismatch_top2_gap is not None else ""
-            lines.append(f"!!!   item {r.item_id!r} method {r.method!r}: first difference at token {r.first_difference}{gap}")
+            lines.append(
+                f"!!!   item {r.item_id!r} method {r.method!r}: first difference at token {r.first_difference}{gap}"
+            )
     unstable = [r for r in report.results if not r.stable]
     if unstable:
-        lines += ["", "note: output changed between repeats for: " + ", ".join(f"{r.item_id}/{r.method}" for r in unstable)]
+        which = ", ".join(f"{r.item_id}/{r.method}" for r in unstable)
+        lines += ["", f"note: output changed between repeats for: {which}"]
     return "\n".join(lines)
 
 
@@ -935,12 +942,21 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         "draftmesh:* (each default source alone); plain is always run (default: %(default)s)",
     )
     parser.add_argument("--assistant", metavar="SPEC", default=None, help="assistant model for hf-assist")
-    parser.add_argument("--repeats", type=_positive_int, default=3, metavar="N", help="passes; median time kept (default: %(default)s)")
-    parser.add_argument("--threads", type=_positive_int, default=None, metavar="T", help="torch threads (default: torch's current setting)")
+    parser.add_argument(
+        "--repeats", type=_positive_int, default=3, metavar="N",
+        help="passes over the workload; the median time per item and method is kept (default: %(default)s)",
+    )
+    parser.add_argument(
+        "--threads", type=_positive_int, default=None, metavar="T",
+        help="torch threads for every method (default: torch's current setting)",
+    )
     parser.add_argument("--json", metavar="OUT.json", default=None, help="write the full results as JSON")
     parser.add_argument("--plot", metavar="OUT.png", default=None, help="write a PNG chart (needs matplotlib)")
     parser.add_argument("--limit", type=_positive_int, default=None, metavar="N", help="only the first N items")
-    parser.add_argument("--max-new-tokens", type=_positive_int, default=None, metavar="N", help="override every item's max_new_tokens")
+    parser.add_argument(
+        "--max-new-tokens", type=_positive_int, default=None, metavar="N",
+        help="replace every item's max_new_tokens with N",
+    )
     parser.add_argument(
         "--max-nodes", type=_positive_int, default=None, metavar="N",
         help="draft tree size cap for draftmesh methods (default: the engine's)",
@@ -1058,9 +1074,11 @@ def run(args: argparse.Namespace) -> int:
         report = BenchReport(name, threads, repeats, results, skipped, meta)
         print(format_report(report))
         if opt("json"):
+            Path(opt("json")).parent.mkdir(parents=True, exist_ok=True)
             Path(opt("json")).write_text(json.dumps(report_to_json(report), indent=2) + "\n", encoding="utf-8")
             print(f"wrote {opt('json')}")
         if opt("plot"):
+            Path(opt("plot")).parent.mkdir(parents=True, exist_ok=True)
             write_plot(report, opt("plot"))
             print(f"wrote {opt('plot')}")
         return EXIT_MISMATCH if any(r.identical_to_plain is False for r in results) else EXIT_OK

@@ -74,6 +74,19 @@ def cmd_cost_curve(args: argparse.Namespace) -> int:
     return 0
 
 
+def cmd_prepare_models(args: argparse.Namespace) -> int:
+    """Convert the packaged GGUFs to the safetensors cache once, so later loads take seconds."""
+    import time
+
+    from draftmesh.models import PACKAGED_MODELS, ensure_converted, resolve
+
+    for spec in args.models or PACKAGED_MODELS:
+        t0 = time.perf_counter()
+        folder = ensure_converted(resolve(spec))
+        print(f"{spec}: {folder} ({time.perf_counter() - t0:.1f}s)")
+    return 0
+
+
 def cmd_bench(args: argparse.Namespace) -> int:
     from draftmesh import bench
 
@@ -108,6 +121,10 @@ def build_parser() -> argparse.ArgumentParser:
     curve.add_argument("--context", type=int, default=128)
     curve.add_argument("--repeats", type=int, default=7)
     curve.set_defaults(func=cmd_cost_curve)
+
+    prep = sub.add_parser("prepare-models", help="convert the packaged models into the local cache")
+    prep.add_argument("models", nargs="*", help="model specs (default: all packaged models)")
+    prep.set_defaults(func=cmd_prepare_models)
 
     try:
         from draftmesh import bench

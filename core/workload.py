@@ -7,8 +7,8 @@ A line looks like::
      "corpus": ["optional document", "..."], "session": "optional-session-id"}
 
 ``id`` and ``kind`` are non-empty strings (``kind`` is free text: grounded, rag, open,
-repeat, ...); exactly one of ``messages`` (chat messages, rendered with the model's chat
-template) or ``prompt`` (raw text) is given; ``max_new_tokens`` is an integer >= 1;
+repeat, ...); exactly one of ``messages`` (chat messages with roles system/user/assistant,
+rendered with the model's chat template) or ``prompt`` (raw text) is given; ``max_new_tokens`` is an integer >= 1;
 ``corpus`` is an optional list of document strings (for the rag source) and ``session``
 an optional string (items sharing it run in file order within one session). Other keys
 are kept in ``WorkItem.extra`` and otherwise ignored. Blank lines are skipped.
@@ -22,6 +22,8 @@ import json
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Iterable, Sequence
+
+from draftmesh.prompts import ROLES, encode_messages, encode_prompt
 
 KNOWN_KEYS = frozenset({"id", "kind", "messages", "prompt", "max_new_tokens", "corpus", "session"})
 
@@ -70,8 +72,8 @@ def _check_messages(value: Any) -> str | None:
         if not isinstance(msg, dict):
             return f"'messages'[{i}] must be an object, got {_type_name(msg)}"
         role, content = msg.get("role"), msg.get("content")
-        if not isinstance(role, str) or not role:
-            return f"'messages'[{i}] needs a non-empty string 'role'"
+        if role not in ROLES:
+            return f"'messages'[{i}] needs a 'role' among {', '.join(ROLES)}, got {role!r}"
         if not isinstance(content, str):
             return f"'messages'[{i}] needs a string 'content', got {_type_name(content)}"
     return None
@@ -163,15 +165,11 @@ def load_workload(path: str | Path) -> list[WorkItem]:
 
 
 def render_prompt_ids(item: WorkItem, tokenizer) -> list[int]:
-    """The prompt token ids: the chat template for ``messages``, plain encoding for ``prompt``."""
+    """The prompt token ids, rendered exactly as ``draftmesh run`` does (``draftmesh.prompts``):
+    ``messages`` through the model's chat template (a plain transcript for models without
+    one), ``prompt`` by plain encoding."""
     if item.messages is not None:
-        if not getattr(tokenizer, "chat_template", None):
-            raise ValueError(f"item {item.id!r} uses 'messages' but the model's tokenizer has no chat template")
-        out = tokenizer.apply_chat_template(list(item.messages), add_generation_prompt=True)
-        # transformers 5 returns a BatchEncoding; older versions a plain list
-        ids = out["input_ids"] if not isinstance(out, list) else out
+        ids = encode_messages(tokenizer, list(item.messages))
     else:
-        ids = tokenizer(item.prompt)["input_ids"]
-    if ids and isinstance(ids[0], list):  # a batch of one
-        ids = ids[0]
+        ids = encode_prompt(tokenizer, item.prompt)
     return [int(t) for t in ids]

@@ -1,31 +1,92 @@
-"""Draft sources by name, so configs, requests and the CLI can say which ones to use."""
+"""Draft sources by name, so configs, requests and the CLI can say which ones to use.
+
+Factories receive a ``SourceEnv`` (what every source may need from the deployment: the
+target tokenizer, the Redis URL) plus that source's own options from config.
+"""
 
 from __future__ import annotations
 
+from dataclasses import dataclass
 from typing import Any, Callable
 
 from draftmesh.draft.base import DraftSource
 
+
+@dataclass(frozen=True)
+class SourceEnv:
+    tokenizer: Any = None
+    redis_url: str | None = None
+
+
 SourceFactory = Callable[..., DraftSource]
 
 
-def _prompt_lookup(**kwargs: Any) -> DraftSource:
+def _prompt_lookup(env: SourceEnv, **options: Any) -> DraftSource:
     from draftmesh.draft.prompt_lookup import PromptLookupSource
 
-    return PromptLookupSource(**kwargs)
+    return PromptLookupSource(**options)
 
 
-FACTORIES: dict[str, SourceFactory] = {"prompt_lookup": _prompt_lookup}
-DEFAULT_SOURCES: tuple[str, ...] = ("prompt_lookup",)
+def _history(env: SourceEnv, **options: Any) -> DraftSource:
+    from draftmesh.draft.history import HistorySource, InMemoryAnswerStore, MinHasher
+
+    hasher = MinHasher(boilerplate=_template_boilerplate(env.tokenizer))
+    if env.redis_url:
+        from draftmesh.draft.redis_store import RedisAnswerStore
+
+        store = RedisAnswerStore.from_url(env.redis_url, hasher=hasher)
+    else:
+        store = InMemoryAnswerStore(hasher=hasher)
+    return HistorySource(store, **options)
+
+
+def _template_boilerplate(tokenizer: Any) -> list[list[int]]:
+    """The chat template's fixed tokens, so near-duplicate search looks at the question."""
+    if tokenizer is None or not getattr(tokenizer, "chat_template", None):
+        return []
+    from draftmesh.prompts import encode_messages
+
+    return [encode_messages(tokenizer, [{"role": "user", "content": ""}])]
+
+
+def _rules(env: SourceEnv, path: str | None = None, **options: Any) -> DraftSource:
+    from draftmesh.draft.rules import RulesSource
+
+    source = RulesSource.from_yaml(path) if path else RulesSource.default()
+    for key, value in options.items():
+        if not hasattr(source, key):
+            raise ValueError(f"rules source: unknown option {key!r}")
+        setattr(source, key, value)
+    return source
+
+
+def _rag(env: SourceEnv, paths: list[str] | tuple[str, ...] = (), **options: Any) -> DraftSource:
+    from draftmesh.draft.rag import RagSource
+
+    if env.tokenizer is None:
+        raise ValueError("the rag source needs the target tokenizer")
+    return RagSource(env.tokenizer, list(paths), **options)
+
+
+FACTORIES: dict[str, SourceFactory] = {
+    "prompt_lookup": _prompt_lookup,
+    "history": _history,
+    "rules": _rules,
+    "rag": _rag,
+}
+DEFAULT_SOURCES: tuple[str, ...] = ("history", "rules", "rag")
 
 
 def available() -> list[str]:
     return sorted(FACTORIES)
 
 
-def create(name: str, **kwargs: Any) -> DraftSource:
+def create(name: str, env: SourceEnv | None = None, **options: Any) -> DraftSource:
     try:
         factory = FACTORIES[name]
     except KeyError:
         raise ValueError(f"unknown draft source {name!r}; available: {', '.join(available())}") from None
-    return factory(**kwargs)
+    try:
+        return factory(env or SourceEnv(), **options)
+    except TypeError as exc:
+        raise ValueError(f"bad options for draft source {name!r}: {exc}") from None

@@ -5,6 +5,7 @@ from __future__ import annotations
 from typing import Mapping, Sequence
 
 from draftmesh.draft import registry
+from draftmesh.draft.align import TextAligner
 from draftmesh.router.tree_builder import BuilderConfig, CostAwareTreeBuilder
 from draftmesh.verify.backend import TorchTarget
 from draftmesh.verify.decoder import SpeculativeDecoder
@@ -17,6 +18,7 @@ def build_decoder(
     source_options: Mapping[str, Mapping] | None = None,
     max_nodes: int = 64,
     builder_config: BuilderConfig | None = None,
+    redis_url: str | None = None,
 ) -> SpeculativeDecoder:
     """``sources=None`` means the default set; an empty list means plain decoding.
 
@@ -25,9 +27,14 @@ def build_decoder(
     """
     names = registry.DEFAULT_SOURCES if sources is None else tuple(sources)
     options = source_options or {}
-    built = [registry.create(name, **dict(options.get(name, {}))) for name in names]
+    unknown = sorted(set(options) - set(registry.available()))
+    if unknown:
+        raise ValueError(f"options given for unknown draft sources: {', '.join(unknown)}")
+    env = registry.SourceEnv(tokenizer=target.tokenizer, redis_url=redis_url)
+    built = [registry.create(name, env, **dict(options.get(name, {}))) for name in names]
     if built and not target.cost_curve:
         target.measure_cost_curve()
     config = builder_config or BuilderConfig(max_nodes=max_nodes)
-    builder = CostAwareTreeBuilder(target.cost_curve or {1: 1.0}, config)
+    aligner = TextAligner(target.tokenizer) if getattr(target.tokenizer, "backend_tokenizer", None) else None
+    builder = CostAwareTreeBuilder(target.cost_curve or {1: 1.0}, config, aligner=aligner)
     return SpeculativeDecoder(target, built, builder)

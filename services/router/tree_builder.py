@@ -171,7 +171,7 @@ class CostAwareTreeBuilder:
     # ------------------------------------------------------------------ building
     def build(self, proposals: Sequence[Proposal], ctx: DraftContext) -> TokenTree:
         state = self._state(ctx.request_id)
-        cap = int(ctx.options.get("max_nodes", self.config.max_nodes))
+        cap = min(self.config.max_nodes, int(ctx.options.get("max_nodes", self.config.max_nodes)))
         if state.cooldown > 0:
             state.cooldown -= 1
             return TokenTree()

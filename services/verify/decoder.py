@@ -23,7 +23,7 @@ from draftmesh.verify.acceptance import Verdict
 from draftmesh.verify.policy import AcceptancePolicy, make_policy
 from draftmesh.verify.backend import KVState, TorchTarget
 from draftmesh.verify.sampling import SamplingParams
-from draftmesh.verify.tree import DraftSequence, TokenTree
+from draftmesh.verify.tree import MAX_TREE_NODES, DraftSequence, TokenTree
 
 log = logging.getLogger(__name__)
 
@@ -43,6 +43,12 @@ class GenerationRequest:
     policy: str = "exact"
     """Acceptance policy; anything but "exact" is a lossy opt-in."""
     policy_params: Mapping[str, Any] = dataclasses.field(default_factory=dict)
+    sources: tuple[str, ...] | None = None
+    """Which of the decoder's sources to ask (None: all of them)."""
+    source_caps: Mapping[str, int] = dataclasses.field(default_factory=dict)
+    """Per source, the most drafted tokens it may contribute per step."""
+    max_nodes: int | None = None
+    """Cap on tree nodes per step for this request (the builder's own cap still applies)."""
 
 
 @dataclass
@@ -120,7 +126,8 @@ class TrieBuilder:
         usable = [p for p in proposals if p.token_ids]
         ranked = sorted(usable, key=lambda p: -p.confidence)
         seqs = [DraftSequence(p.token_ids, p.source, p.token_dists, p.token_probs) for p in ranked]
-        tree = TokenTree.from_sequences(seqs, max_nodes=self.max_nodes)
+        cap = min(self.max_nodes, int(ctx.options.get("max_nodes", self.max_nodes)))
+        tree = TokenTree.from_sequences(seqs, max_nodes=cap)
         complete = sum(len(s.tokens) for s in seqs) == len(tree) or not any(p.token_dists is not None for p in usable)
         if ranked != usable or not complete:
             tree = tree.strip_q()
@@ -170,6 +177,17 @@ class SpeculativeDecoder:
         if any(not isinstance(s, str) or not s for s in req.stop):
             raise ValueError("stop strings must be non-empty strings")
         make_policy(req.policy, req.policy_params)
+        names = [src.name for src in self.sources]
+        for name in list(req.sources or ()) + list(req.source_caps):
+            if name not in names:
+                raise ValueError(
+                    f"unknown draft source {name!r}; this decoder has: {', '.join(names) or 'none'}"
+                )
+        for name, cap in req.source_caps.items():
+            if not isinstance(cap, int) or cap < 0:
+                raise ValueError(f"source cap for {name!r} must be an integer >= 0, got {cap!r}")
+        if req.max_nodes is not None and (not isinstance(req.max_nodes, int) or not 0 <= req.max_nodes <= MAX_TREE_NODES):
+            raise ValueError(f"max_nodes must be an integer in [0, {MAX_TREE_NODES}], got {req.max_nodes!r}")
 
     # ------------------------------------------------------------------ the loop
     def generate(self, req: GenerationRequest) -> GenerationResult:
@@ -196,7 +214,8 @@ class SpeculativeDecoder:
         text = _TextTracker(target.tokenizer, req.stop)
         generated: list[int] = []
         steps: list[StepRecord] = []
-        speculate = req.speculate and bool(self.sources)
+        active = [src for src in self.sources if req.sources is None or src.name in req.sources]
+        speculate = req.speculate and bool(active) and req.max_nodes != 0
         first_token_s = 0.0
         finish = None
         while finish is None:
@@ -205,7 +224,7 @@ class SpeculativeDecoder:
             tree, proposed, failed, ctx = TokenTree(), {}, (), None
             if speculate and remaining > 1:
                 ctx = self._context(req, prompt, generated, size_hint=self.builder.max_nodes)
-                tree, proposed, failed = self._draft(ctx, state.length, remaining)
+                tree, proposed, failed = self._draft(ctx, active, req.source_caps, state.length, remaining)
             t1 = time.perf_counter()
             base = state.length
             logits = target.forward_tree(state, pending, tree)
@@ -272,6 +291,8 @@ class SpeculativeDecoder:
         yield result
 
     def _context(self, req: GenerationRequest, prompt: list[int], generated: list[int], size_hint: int) -> DraftContext:
+        if req.max_nodes is not None:
+            size_hint = min(size_hint, req.max_nodes)
         ids = tuple(prompt + generated)
         tail = self.target.tokenizer.decode(ids[-TEXT_TAIL_TOKENS:], skip_special_tokens=False)
         return DraftContext(
@@ -282,15 +303,21 @@ class SpeculativeDecoder:
             session_id=req.session_id,
             request_id=req.request_id,
             size_hint=size_hint,
+            options={} if req.max_nodes is None else {"max_nodes": req.max_nodes},
         )
 
     def _draft(
-        self, ctx: DraftContext, cache_len: int, remaining: int
+        self,
+        ctx: DraftContext,
+        sources: Sequence[DraftSource],
+        caps: Mapping[str, int],
+        cache_len: int,
+        remaining: int,
     ) -> tuple[TokenTree, dict[str, int], tuple[str, ...]]:
         proposals: list[Proposal] = []
         proposed: dict[str, int] = {}
         failed: list[str] = []
-        for source in self.sources:
+        for source in sources:
             try:
                 got = source.propose(ctx)
             except Exception:  # a broken source costs speed, never the request
@@ -301,6 +328,8 @@ class SpeculativeDecoder:
             if len(valid) < len(got):
                 log.warning("draft source %s proposed tokens outside the vocabulary; dropped", source.name)
                 failed.append(source.name)
+            if source.name in caps:
+                valid = _capped(valid, caps[source.name])
             proposals.extend(valid)
             proposed[source.name] = proposed.get(source.name, 0) + len(valid)
         tree = self.builder.build(proposals, ctx)
@@ -336,6 +365,22 @@ class SpeculativeDecoder:
                 source.finish(ctx, list(generated), text)
             except Exception:
                 log.exception("draft source %s failed to record a finished request", source.name)
+
+
+def _capped(proposals: list[Proposal], budget: int) -> list[Proposal]:
+    """Keep a source's most confident proposals within ``budget`` drafted tokens."""
+    out = []
+    for p in sorted(proposals, key=lambda p: -p.confidence):
+        n = len(p.token_ids) if p.token_ids is not None else 1
+        if n > budget:
+            if p.token_ids is not None and budget > 0:
+                out.append(dataclasses.replace(p, token_ids=p.token_ids[:budget],
+                                               token_probs=p.token_probs[:budget] if p.token_probs else None,
+                                               token_dists=p.token_dists[:budget] if p.token_dists is not None else None))
+            break
+        out.append(p)
+        budget -= n
+    return out
 
 
 class _TextTracker:

