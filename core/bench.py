@@ -42,6 +42,7 @@ HF_PLD = "hf-pld"
 HF_ASSIST = "hf-assist"
 DRAFTMESH = "draftmesh"
 ENGINE_PREFIX = "draftmesh:"
+POLICY_SEPARATOR = "+"
 ALL_DEFAULT_ABLATIONS = "draftmesh:*"
 BASE_METHODS = (PLAIN, HF, HF_PLD, HF_ASSIST, DRAFTMESH)
 DEFAULT_METHODS = "plain,hf,hf-pld,hf-assist,draftmesh"
@@ -63,6 +64,8 @@ class Method:
     hf_mode: str | None = None
     """HF only: "greedy", "pld" or "assist"."""
     lossless: bool = True
+    policy: str = "exact"
+    """Engine only: the acceptance policy (``draftmesh+typical``); only "exact" is lossless."""
 
 
 def _registry():
@@ -88,6 +91,9 @@ def parse_methods(
         reg = _registry()
     available = list(reg.available() if available is None else available)
     defaults = list(reg.DEFAULT_SOURCES if defaults is None else defaults)
+    from draftmesh.verify.policy import available_policies
+
+    policies = available_policies()
     names = [n.strip() for n in (text.split(",") if isinstance(text, str) else text)]
     names = [n for n in names if n]
     if not names:
@@ -104,7 +110,17 @@ def parse_methods(
         if name in seen:
             continue
         seen.add(name)
-        if name == PLAIN:
+        base, _, policy = name.partition(POLICY_SEPARATOR)
+        if policy:
+            if policy not in policies:
+                raise ValueError(f"unknown acceptance policy {policy!r} in method {name!r}; available: {', '.join(policies)}")
+            if not (base == DRAFTMESH or base.startswith(ENGINE_PREFIX)):
+                raise ValueError(f"method {name!r}: a policy applies to draftmesh methods only")
+            sources = None if base == DRAFTMESH else (base[len(ENGINE_PREFIX) :],)
+            if sources and sources[0] not in available:
+                raise ValueError(f"unknown draft source {sources[0]!r} in method {name!r}")
+            methods.append(Method(name, "engine", sources=sources, lossless=policy == "exact", policy=policy))
+        elif name == PLAIN:
             methods.append(Method(PLAIN, "engine", sources=()))
         elif name == DRAFTMESH:
             methods.append(Method(DRAFTMESH, "engine", sources=None))
@@ -178,6 +194,8 @@ class ItemRun:
     sources: dict[str, SourceStats] = field(default_factory=dict)
     text: str = ""
     prompt_tokens: int = 0
+    lenient_tokens: int | None = None
+    """Tokens a lossy policy accepted that exact verification would not."""
 
     @property
     def new_tokens(self) -> int:
@@ -208,6 +226,10 @@ class ItemResult:
     mismatch_top2_gap: float | None = None
     stable: bool = True
     """All repeats produced the same tokens."""
+    same_as_plain: bool | None = None
+    """Fidelity for every non-plain method, lossy ones included (first repeat's output)."""
+    edit_distance: float | None = None
+    """Token-level Levenshtein distance to plain's output / the longer length."""
 
     @property
     def seconds(self) -> float:
@@ -288,8 +310,11 @@ class EngineRunner:
         *,
         source_options: Mapping[str, Mapping] | None = None,
         max_nodes: int | None = None,
+        policy: str = "exact",
     ) -> None:
         self.name = name
+        self.policy = policy
+        self.lossless = policy == "exact"
         self.target = target
         self.sources = None if sources is None else tuple(sources)
         self.source_options = source_options
@@ -322,6 +347,7 @@ class EngineRunner:
             request_id=item.id,
             session_id=item.item.session,
             documents=item.item.corpus,
+            policy=self.policy,
         )
         t0 = time.perf_counter()
         res = self.decoder.generate(req)
@@ -355,6 +381,7 @@ class EngineRunner:
             sources=stats,
             text=res.text,
             prompt_tokens=len(item.prompt_ids),
+            lenient_tokens=res.lenient_tokens,
         )
 
 
@@ -456,7 +483,9 @@ def make_runner(
 ) -> MethodRunner:
     """The runner for a method on a local target (a remote target would add its own here)."""
     if method.family == "engine":
-        return EngineRunner(method.name, target, method.sources, source_options=source_options, max_nodes=max_nodes)
+        return EngineRunner(
+            method.name, target, method.sources, source_options=source_options, max_nodes=max_nodes, policy=method.policy
+        )
     return HFRunner(method.name, target, method.hf_mode or "greedy", assistant=assistant)
 
 
@@ -518,6 +547,30 @@ def mismatch_message(r: ItemResult, plain_ids: Sequence[int] | None = None, toke
         f"!!! OUTPUT MISMATCH: item {r.item_id!r} method {r.method!r} differs from plain at {where}"
         f"{rep}{detail}{gap} !!!"
     )
+
+
+def edit_distance(a: Sequence[int], b: Sequence[int]) -> int:
+    """Levenshtein distance between two token sequences."""
+    prev = list(range(len(b) + 1))
+    for i, x in enumerate(a, start=1):
+        cur = [i]
+        for j, y in enumerate(b, start=1):
+            cur.append(min(prev[j] + 1, cur[j - 1] + 1, prev[j - 1] + (x != y)))
+        prev = cur
+    return prev[-1]
+
+
+def measure_fidelity(results: Iterable[ItemResult]) -> None:
+    """Set ``same_as_plain`` and the normalized ``edit_distance`` of every non-plain result."""
+    results = list(results)
+    plain = {r.item_id: r for r in results if r.method == PLAIN}
+    for r in results:
+        ref = plain.get(r.item_id)
+        if r.method == PLAIN or ref is None or not ref.runs or not r.runs:
+            continue
+        want, got = ref.runs[0].token_ids, r.runs[0].token_ids
+        r.same_as_plain = want == got
+        r.edit_distance = edit_distance(want, got) / max(1, len(want), len(got))
 
 
 def top2_gap(target, prompt_ids: Sequence[int], prefix: Sequence[int]) -> float:
@@ -662,6 +715,10 @@ def summarize_group(results: Sequence[ItemResult], method: str, kind: str) -> di
         "verify_ms_per_step": _round(1e3 * sum(run.verify_s or 0.0 for run in with_steps) / steps) if steps else None,
         "identical": sum(1 for r in group if r.identical_to_plain is True),
         "mismatches": sum(1 for r in group if r.identical_to_plain is False),
+        "identical_share": _round(_mean([float(r.same_as_plain) for r in group if r.same_as_plain is not None])),
+        "mean_norm_edit_distance": _round(_mean([r.edit_distance for r in group if r.edit_distance is not None])),
+        "lenient_tokens": sum(r.representative.lenient_tokens or 0 for r in group) if group else 0,
+        "lossless": all(r.lossless for r in group),
         "acceptance_by_source": {
             name: {
                 "proposals": st.proposals,
@@ -672,6 +729,10 @@ def summarize_group(results: Sequence[ItemResult], method: str, kind: str) -> di
             for name, st in sources.items()
         },
     }
+
+
+def _mean(values: Sequence[float]) -> float | None:
+    return sum(values) / len(values) if values else None
 
 
 def summarize(results: Sequence[ItemResult]) -> dict[str, dict[str, dict[str, Any]]]:
@@ -707,6 +768,10 @@ def item_record(r: ItemResult) -> dict[str, Any]:
         "identical_to_plain": r.identical_to_plain,
         "first_difference": r.first_difference,
         "mismatch_top2_gap": _round(r.mismatch_top2_gap, 6),
+        "lossless": r.lossless,
+        "same_as_plain": r.same_as_plain,
+        "norm_edit_distance": _round(r.edit_distance),
+        "lenient_tokens": rep.lenient_tokens,
         "stable_across_repeats": r.stable,
         "seconds_by_repeat": [round(run.seconds, 6) for run in r.runs],
         "prompt_tokens": rep.prompt_tokens,
@@ -813,6 +878,26 @@ def format_report(report: BenchReport) -> str:
     if src_rows:
         lines += ["", "acceptance per source: accepted / proposed drafted tokens"]
         lines += _table(["method", "source", *kinds], src_rows, [False, False, *[True] * len(kinds)])
+
+    lossy = [m for m in methods if not summary[m][ALL_KINDS]["lossless"]]
+    if lossy:
+        lines += ["", "lossy policies: speed gained vs fidelity lost (against plain greedy)"]
+        fid_rows = []
+        for m in lossy:
+            s = summary[m][ALL_KINDS]
+            fid_rows.append([
+                m,
+                _fmt(s["speedup_vs_plain"], ".2f") + "x",
+                _fmt(s["mean_accepted_per_step"], ".2f"),
+                _fmt(None if s["identical_share"] is None else 100 * s["identical_share"], ".0f") + "%",
+                _fmt(s["mean_norm_edit_distance"], ".3f"),
+                str(s["lenient_tokens"]),
+            ])
+        lines += _table(
+            ["method", "speedup", "tok/step", "identical outputs", "mean norm. edit distance", "lenient tokens"],
+            fid_rows,
+            [False, True, True, True, True, True],
+        )
 
     bad = [r for r in report.results if r.identical_to_plain is False]
     if bad:
@@ -939,7 +1024,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         default=DEFAULT_METHODS,
         metavar="LIST",
         help="comma-separated: plain, hf, hf-pld, hf-assist, draftmesh, draftmesh:<source> (one source alone), "
-        "draftmesh:* (each default source alone); plain is always run (default: %(default)s)",
+        "draftmesh:* (each default source alone), draftmesh+<policy> or draftmesh:<source>+<policy> "
+        "(a lossy acceptance policy: typical, nkl, block, semantic); plain is always run (default: %(default)s)",
     )
     parser.add_argument("--assistant", metavar="SPEC", default=None, help="assistant model for hf-assist")
     parser.add_argument(
@@ -1045,6 +1131,7 @@ def run(args: argparse.Namespace) -> int:
             make_runner(m, target, assistant=assistant, max_nodes=opt("max_nodes")) for m in methods
         ]
         results = execute(runners, prepared, repeats, progress=not opt("no_progress"), tokenizer=target.tokenizer)
+        measure_fidelity(results)
         by_id = {p.id: p for p in prepared}
         plain = {r.item_id: r for r in results if r.method == PLAIN}
         for r in results:

@@ -7,14 +7,16 @@ import torch
 
 def word_tokenizer(vocab_size: int):
     """A real (tokenizers WordLevel) tokenizer whose tokens are 'w0'...'wN', one per id."""
-    from tokenizers import Tokenizer, decoders, models, pre_tokenizers
+    from tokenizers import AddedToken, Tokenizer, decoders, models, pre_tokenizers
     from transformers import PreTrainedTokenizerFast
 
     vocab = {f"w{i}": i for i in range(vocab_size)}
     tok = Tokenizer(models.WordLevel(vocab, unk_token="w1"))
     tok.pre_tokenizer = pre_tokenizers.WhitespaceSplit()
     tok.decoder = decoders.WordPiece(prefix="##", cleanup=False)
-    return PreTrainedTokenizerFast(tokenizer_object=tok, eos_token="w0", unk_token="w1")
+    # single_word: the specials must not match inside other words ("w13" is one token)
+    eos, unk = AddedToken("w0", single_word=True, special=True), AddedToken("w1", single_word=True, special=True)
+    return PreTrainedTokenizerFast(tokenizer_object=tok, eos_token=eos, unk_token=unk)
 
 
 def tiny_target(

@@ -34,7 +34,6 @@ common-prefix check makes a wrong or shared key cost time, never correctness.
 
 from __future__ import annotations
 
-import logging
 import math
 import threading
 import time
@@ -48,8 +47,6 @@ from draftmesh.draft.base import DraftContext, Proposal
 from draftmesh.verify.backend import KVState, TorchTarget
 from draftmesh.verify.sampling import SamplingParams, target_probs
 from draftmesh.verify.tree import TokenTree
-
-log = logging.getLogger(__name__)
 
 REENCODE_TOKENS = 8
 """Text mode: draft-side ids re-encoded at the end of the cached context each step."""
@@ -163,11 +160,15 @@ class LLMSource:
             tok = draft.tokenizer
             self._lead = _leading_specials(tok)
             self._offsets = bool(getattr(tok, "is_fast", False))
+            # a text draft never means a control token: generation stops at any of them
+            self._text_stop = self._eos | {int(t) for t in getattr(tok, "all_special_ids", ())}
 
     # ------------------------------------------------------------------ public
     def propose(self, ctx: DraftContext) -> list[Proposal]:
         t0 = time.perf_counter()
         deadline = None if self.max_seconds is None else t0 + self.max_seconds
+        if self._budget(ctx) <= 0:  # the builder can afford no node this step
+            return []
         with self._lock:
             try:
                 if self.same_tokenizer:
@@ -189,6 +190,10 @@ class LLMSource:
     def cached_requests(self) -> list[str]:
         return list(self._entries)
 
+    def _budget(self, ctx: DraftContext) -> int:
+        """Tree nodes worth drafting: ours, the builder's hint and the request's cap."""
+        return min(self.max_nodes, ctx.size_hint, int(ctx.options.get("max_nodes", self.max_nodes)))
+
     # ------------------------------------------------------------------ same tokenizer
     def _propose_tokens(self, ctx: DraftContext, deadline: float | None) -> list[Proposal]:
         self.last_tree = None
@@ -202,8 +207,7 @@ class LLMSource:
             temperature = float(ctx.options.get("temperature", self.temperature))
             if self.sample and temperature > 0:
                 return self._sample_chain(entry, root_logits, ctx.options, temperature, deadline)
-            budget = self.max_nodes if ctx.size_hint <= 0 else min(self.max_nodes, ctx.size_hint)
-            return self._grow_tree(entry, root_logits, budget, deadline)
+            return self._grow_tree(entry, root_logits, self._budget(ctx), deadline)
         finally:
             self.draft.commit(entry.state, n, [])  # drop the draft's own entries
 
@@ -287,7 +291,8 @@ class LLMSource:
                 visible[row, slot[p]] = True
                 p = nodes[p].parent
         q_pos = torch.tensor([n + nodes[i].depth - 1 for i in grow])
-        k_pos = torch.cat([torch.arange(n), torch.tensor([n + nodes[i].depth - 1 for i in forwarded + grow], dtype=torch.long)])
+        tree_pos = torch.tensor([n + nodes[i].depth - 1 for i in forwarded + grow], dtype=torch.long)
+        k_pos = torch.cat([torch.arange(n), tree_pos])
         mask = self._mask(visible, q_pos, k_pos)
         ids = torch.tensor([[nodes[i].token for i in grow]], dtype=torch.long, device=draft.device)
         out = draft.model(
@@ -386,7 +391,7 @@ class LLMSource:
                     self.stats.tree_forwards += 1
                 row = torch.softmax(logits.double(), dim=-1)
                 tok = int(torch.argmax(row))
-                if tok in self._eos:
+                if tok in self._text_stop:
                     break
                 gen.append(tok)
                 probs.append(float(row[tok]))

@@ -15,6 +15,8 @@ from draftmesh.draft.base import DraftSource
 @dataclass(frozen=True)
 class SourceEnv:
     tokenizer: Any = None
+    vocab_size: int | None = None
+    """The target's output vocabulary (can exceed the tokenizer's: padded embeddings)."""
     redis_url: str | None = None
 
 
@@ -68,7 +70,17 @@ def _rag(env: SourceEnv, paths: list[str] | tuple[str, ...] = (), **options: Any
     return RagSource(env.tokenizer, list(paths), **options)
 
 
+def _llm(env: SourceEnv, draft: str = "smollm2-135m", device: str = "cpu", **options: Any) -> DraftSource:
+    """A small draft LLM. Off by default: on CPU it costs more than it saves (docs/llm_source.md)."""
+    from draftmesh.draft.llm import LLMSource
+    from draftmesh.verify.backend import TorchTarget
+
+    options.setdefault("target_vocab_size", env.vocab_size)
+    return LLMSource(TorchTarget.load(draft, device=device), target_tokenizer=env.tokenizer, **options)
+
+
 FACTORIES: dict[str, SourceFactory] = {
+    "llm": _llm,
     "prompt_lookup": _prompt_lookup,
     "history": _history,
     "rules": _rules,

@@ -30,7 +30,7 @@ def build_decoder(
     unknown = sorted(set(options) - set(registry.available()))
     if unknown:
         raise ValueError(f"options given for unknown draft sources: {', '.join(unknown)}")
-    env = registry.SourceEnv(tokenizer=target.tokenizer, redis_url=redis_url)
+    env = registry.SourceEnv(tokenizer=target.tokenizer, vocab_size=target.vocab_size, redis_url=redis_url)
     built = [registry.create(name, env, **dict(options.get(name, {}))) for name in names]
     if built and not target.cost_curve:
         target.measure_cost_curve()

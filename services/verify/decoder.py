@@ -176,7 +176,7 @@ class SpeculativeDecoder:
             raise ValueError(f"prompt token ids outside the vocabulary: {bad[:5]}")
         if any(not isinstance(s, str) or not s for s in req.stop):
             raise ValueError("stop strings must be non-empty strings")
-        make_policy(req.policy, req.policy_params)
+        make_policy(req.policy, req.policy_params, tokenizer=self.target.tokenizer)
         names = [src.name for src in self.sources]
         for name in list(req.sources or ()) + list(req.source_caps):
             if name not in names:
@@ -209,7 +209,7 @@ class SpeculativeDecoder:
         target.prefill(state, prompt[:-1])
         pending = prompt[-1]
         generator = None if req.sampling.greedy else req.sampling.generator()
-        policy: AcceptancePolicy = make_policy(req.policy, req.policy_params)
+        policy: AcceptancePolicy = make_policy(req.policy, req.policy_params, tokenizer=target.tokenizer)
         lenient_total = 0
         text = _TextTracker(target.tokenizer, req.stop)
         generated: list[int] = []
@@ -303,8 +303,20 @@ class SpeculativeDecoder:
             session_id=req.session_id,
             request_id=req.request_id,
             size_hint=size_hint,
-            options={} if req.max_nodes is None else {"max_nodes": req.max_nodes},
+            options=self._options(req),
         )
+
+    @staticmethod
+    def _options(req: GenerationRequest) -> dict[str, Any]:
+        """What sources may adapt to: sampling sources draw at the request's temperature."""
+        options: dict[str, Any] = {
+            "temperature": req.sampling.temperature,
+            "top_p": req.sampling.top_p,
+            "top_k": req.sampling.top_k,
+        }
+        if req.max_nodes is not None:
+            options["max_nodes"] = req.max_nodes
+        return options
 
     def _draft(
         self,

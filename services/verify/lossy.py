@@ -31,7 +31,6 @@ distribution; sampling requests use ``target_probs`` (temperature, top-k, top-p)
 
 from __future__ import annotations
 
-import logging
 import math
 import re
 import threading
@@ -44,8 +43,6 @@ from draftmesh.verify.acceptance import Verdict
 from draftmesh.verify.policy import register
 from draftmesh.verify.sampling import SamplingParams, sample, target_probs
 from draftmesh.verify.tree import TokenTree
-
-log = logging.getLogger(__name__)
 
 Q_FLOOR = 1e-10
 """``nkl`` clips the draft distribution q to at least this before taking log q."""
@@ -88,10 +85,6 @@ class _Row:
             p = self.p[self.p > 0]
             self._entropy = float(-(p * p.log()).sum())
         return self._entropy
-
-    @property
-    def vocab_size(self) -> int:
-        return int(self.p.numel())
 
 
 @dataclass(frozen=True)

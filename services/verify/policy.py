@@ -52,17 +52,31 @@ def register(name: str, factory: PolicyFactory) -> None:
     POLICIES[name] = factory
 
 
-def make_policy(name: str = "exact", params: Mapping[str, Any] | None = None) -> AcceptancePolicy:
-    """Build a policy by name; unknown names and bad parameters are ValueErrors."""
+def make_policy(
+    name: str = "exact", params: Mapping[str, Any] | None = None, *, tokenizer: Any = None
+) -> AcceptancePolicy:
+    """Build a policy by name; unknown names and bad parameters are ValueErrors.
+
+    ``tokenizer`` (the target's) is handed to factories that declare ``needs_tokenizer``;
+    request params cannot override it.
+    """
     _load_builtin_policies()
     try:
         factory = POLICIES[name]
     except KeyError:
         raise ValueError(f"unknown acceptance policy {name!r}; available: {', '.join(sorted(POLICIES))}") from None
+    kwargs = dict(params or {})
+    if getattr(factory, "needs_tokenizer", False) and tokenizer is not None:
+        kwargs["tokenizer"] = tokenizer
     try:
-        return factory(**dict(params or {}))
+        return factory(**kwargs)
     except TypeError as exc:
         raise ValueError(f"bad parameters for acceptance policy {name!r}: {exc}") from None
+
+
+def available_policies() -> list[str]:
+    _load_builtin_policies()
+    return sorted(POLICIES)
 
 
 def _load_builtin_policies() -> None:

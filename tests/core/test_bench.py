@@ -481,3 +481,30 @@ def test_each_repeat_starts_from_fresh_sources(tiny_llama, fake_source):
     bench.execute([plain, fake], items, repeats=2, progress=False)
     # one source for the warm-up, then one per repeat, each seeing only its own pass
     assert [s.finished for s in FakeSource.instances] == [["i0"], ["i0", "i1"], ["i0", "i1"]]
+
+
+def test_policy_methods_parse_and_are_marked_lossy():
+    from draftmesh.bench import parse_methods
+
+    methods = {m.name: m for m in parse_methods("draftmesh+typical,draftmesh:history+block,draftmesh", available=["history"], defaults=["history"])}
+    assert methods["draftmesh+typical"].policy == "typical" and not methods["draftmesh+typical"].lossless
+    assert methods["draftmesh:history+block"].sources == ("history",)
+    assert methods["draftmesh"].lossless
+    with pytest.raises(ValueError, match="unknown acceptance policy 'yolo'"):
+        parse_methods("draftmesh+yolo", available=["history"], defaults=["history"])
+    with pytest.raises(ValueError, match="draftmesh methods only"):
+        parse_methods("hf+typical", available=["history"], defaults=["history"])
+
+
+def test_edit_distance_and_fidelity():
+    from draftmesh.bench import ItemResult, ItemRun, edit_distance, measure_fidelity
+
+    assert edit_distance([1, 2, 3], [1, 2, 3]) == 0
+    assert edit_distance([1, 2, 3], [1, 3]) == 1
+    assert edit_distance([], [4, 5]) == 2
+    plain = ItemResult("a", "k", "plain", runs=[ItemRun("a", "k", "plain", [1, 2, 3, 4], 1.0)])
+    lossy = ItemResult("a", "k", "draftmesh+typical", lossless=False,
+                       runs=[ItemRun("a", "k", "draftmesh+typical", [1, 2, 9, 4], 0.5)])
+    measure_fidelity([plain, lossy])
+    assert lossy.same_as_plain is False and lossy.edit_distance == pytest.approx(0.25)
+    assert plain.same_as_plain is None

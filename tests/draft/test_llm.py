@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import math
 import random
-import time
 
 import pytest
 import torch
@@ -155,6 +154,19 @@ def test_deadline_stops_expanding_and_returns_what_it_has(target, other):
     props = src.propose(ctx_for(ids))
     assert len(props) == 4 and all(len(p.token_ids) == 1 for p in props)
     assert src.stats.tree_forwards == 0 and src.stats.deadline_hits == 1
+
+
+def test_node_budget_follows_the_builder_and_the_request(target, other):
+    ids = prompt(22, 10)
+    src = LLMSource(other, target_tokenizer=target.tokenizer, top_k=4, max_nodes=16, max_depth=4)
+    for hint, options, want in ((5, {}, 5), (16, {"max_nodes": 3}, 3), (40, {}, 16)):
+        props = src.propose(DraftContext(token_ids=tuple(ids), prompt_len=10, size_hint=hint, options=options))
+        check_tree(src, props, want)
+        assert len(src.last_tree) == want
+    calls = src.stats.calls
+    assert src.propose(DraftContext(token_ids=tuple(ids), prompt_len=10, size_hint=0)) == []
+    assert src.propose(ctx_for(ids, max_nodes=0)) == []
+    assert src.stats.calls == calls  # no draft work at all
 
 
 # ---------------------------------------------------------------------- the KV cache
@@ -314,7 +326,8 @@ def test_text_mode_proposes_the_greedy_continuation_as_text(text_target, text_dr
     src = LLMSource(text_draft, target_tokenizer=text_target.tokenizer, max_depth=5)
     (p,) = src.propose(ctx_for(ids))
     assert p.token_ids is None
-    n = want.index(0) if 0 in want else len(want)  # the draft stops before its EOS
+    # the draft stops before a special token (w0 = EOS, w1 = unknown): text never means one
+    n = next((i for i, t in enumerate(want) if t in (0, 1)), len(want))
     assert p.text == "".join(f" w{t}" for t in want[:n])
     probs = []
     for i in range(n):
@@ -334,7 +347,8 @@ def test_text_mode_reuses_draft_ids_and_cache(text_target, text_draft):
     assert src.stats.prefilled_tokens == 23
     entry = src._entries["r"]
     assert entry.ids == text_draft.tokenizer.encode(text_target.tokenizer.decode(longer), add_special_tokens=False)
-    assert [p.text for p in got] == [p.text for p in LLMSource(text_draft, target_tokenizer=text_target.tokenizer, max_depth=3).propose(ctx_for(longer))]
+    fresh = LLMSource(text_draft, target_tokenizer=text_target.tokenizer, max_depth=3)
+    assert [p.text for p in got] == [p.text for p in fresh.propose(ctx_for(longer))]
     # without the target tokenizer, the committed text tail is used
     tail_src = LLMSource(text_draft, same_tokenizer=False, max_depth=3)
     tail = DraftContext(token_ids=tuple(longer), prompt_len=20, text_tail=text_target.tokenizer.decode(longer))
@@ -343,7 +357,8 @@ def test_text_mode_reuses_draft_ids_and_cache(text_target, text_draft):
 
 def text_builder(target: TorchTarget, max_nodes: int = 32) -> CostAwareTreeBuilder:
     """The production builder (it aligns text), with a flat cost curve so that it drafts."""
-    return CostAwareTreeBuilder({1: 1.0, 64: 1.0}, BuilderConfig(max_nodes=max_nodes), aligner=TextAligner(target.tokenizer))
+    config = BuilderConfig(max_nodes=max_nodes)
+    return CostAwareTreeBuilder({1: 1.0, 64: 1.0}, config, aligner=TextAligner(target.tokenizer))
 
 
 def test_text_mode_end_to_end_greedy_is_unchanged(text_target, text_draft):

@@ -91,4 +91,5 @@ def test_smollm2_all_sources_greedy_equals_plain(smollm2):
         req = GenerationRequest(tuple(prompt), max_new_tokens=48)
         want, got = plain.generate(req), spec.generate(req)
         assert_identical_or_near_tie(smollm2, prompt, want.token_ids, got.token_ids)
-    assert got.mean_accepted_per_step > 3.0
+    assert len(got.steps) <= len(want.steps) / 2  # the remembered answer is drafted
+    assert sum(s.accepted_by_source.get("history", 0) for s in got.steps) >= len(got.token_ids) / 2

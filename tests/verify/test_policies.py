@@ -147,7 +147,9 @@ def test_typical_uses_the_request_temperature():
     for seed in range(20):
         gen = torch.Generator().manual_seed(seed)
         assert policy.verify(tree, logits, T1, gen).accepted == [0]
-    accepted = sum(bool(policy.verify(tree, logits, cold, torch.Generator().manual_seed(s)).accepted) for s in range(200))
+    accepted = sum(
+        bool(policy.verify(tree, logits, cold, torch.Generator().manual_seed(s)).accepted) for s in range(200)
+    )
     assert accepted < 40  # only through the exact coin (p ~ 0.06), never by the typical rule
     assert policy.verify(tree, logits, GREEDY, None).accepted == [0]  # greedy: T = 1.0
 
