@@ -26,11 +26,14 @@ class EngineConfig:
     dtype: Dtype = field(default="auto", metadata={"help": "auto = float32 on CPU, bfloat16 on CUDA"})
     threads: int = field(default=0, metadata={"help": "torch CPU threads (0 = torch default)"})
     sources: list[str] | None = field(default=None, metadata={"help": "draft sources (default: all default sources)"})
+    source_deadline_ms: int = field(default=100, metadata={"help": "per-step deadline for draft sources (0 = none)"})
     max_nodes: int = field(default=64, metadata={"help": "upper bound on token-tree nodes per step (the cost curve decides below it)"})
 
     def __post_init__(self) -> None:
         if self.threads < 0:
             raise ValueError(f"threads must be >= 0, got {self.threads}")
+        if self.source_deadline_ms < 0:
+            raise ValueError(f"source_deadline_ms must be >= 0, got {self.source_deadline_ms}")
         if self.max_nodes < 0:
             raise ValueError(f"max_nodes must be >= 0, got {self.max_nodes}")
         if self.dtype not in typing.get_args(Dtype):
@@ -42,6 +45,10 @@ class EngineConfig:
         from draftmesh.models import default_dtype
 
         return default_dtype(self.device) if self.dtype == "auto" else getattr(torch, self.dtype)
+
+    @property
+    def source_deadline_s(self) -> float | None:
+        return self.source_deadline_ms / 1000 if self.source_deadline_ms else None
 
     def apply_threads(self) -> None:
         if self.threads:

@@ -19,11 +19,13 @@ def build_decoder(
     max_nodes: int = 64,
     builder_config: BuilderConfig | None = None,
     redis_url: str | None = None,
+    source_deadline_s: float | None = 0.1,
 ) -> SpeculativeDecoder:
     """``sources=None`` means the default set; an empty list means plain decoding.
 
     The tree budget comes from the target's verify cost curve, measured here once if the
-    target has none yet.
+    target has none yet. Each step waits at most ``source_deadline_s`` for the sources
+    (None: call them inline, without a deadline).
     """
     names = registry.DEFAULT_SOURCES if sources is None else tuple(sources)
     options = source_options or {}
@@ -37,4 +39,4 @@ def build_decoder(
     config = builder_config or BuilderConfig(max_nodes=max_nodes)
     aligner = TextAligner(target.tokenizer) if getattr(target.tokenizer, "backend_tokenizer", None) else None
     builder = CostAwareTreeBuilder(target.cost_curve or {1: 1.0}, config, aligner=aligner)
-    return SpeculativeDecoder(target, built, builder)
+    return SpeculativeDecoder(target, built, builder, source_deadline_s=source_deadline_s)

@@ -31,8 +31,11 @@ CONFIDENCE_BINS = 5
 class BuilderConfig:
     max_nodes: int = 64
     """Hard cap on tree nodes (the cost curve decides below it)."""
-    prior: tuple[float, float] = (2.0, 2.0)
-    """Beta(accepted, rejected) prior for a source/depth without its own."""
+    prior: tuple[float, float] = (3.0, 2.0)
+    """Beta(accepted, rejected) prior at depth 1, its first term scaled by the proposal's confidence."""
+    deep_prior: tuple[float, float] = (9.0, 1.0)
+    """Prior for depth > 1 given the parent was accepted: a draft that has started to match
+    usually goes on matching (history drafts measured 0.87-0.96 at depths 2-8)."""
     source_priors: Mapping[str, tuple[float, float]] = field(default_factory=dict)
     min_gain: float = 1.02
     """Speculate only when the expected speedup over a plain step is at least this."""
@@ -43,7 +46,7 @@ class BuilderConfig:
     def __post_init__(self) -> None:
         if self.max_nodes < 0:
             raise ValueError(f"max_nodes must be >= 0, got {self.max_nodes}")
-        for name, (a, b) in {"prior": self.prior, **self.source_priors}.items():
+        for name, (a, b) in {"prior": self.prior, "deep_prior": self.deep_prior, **self.source_priors}.items():
             if a <= 0 or b <= 0:
                 raise ValueError(f"Beta prior for {name!r} must be positive, got {(a, b)}")
         if self.fallback_after < 1 or self.cooldown_steps < 0:
@@ -86,7 +89,7 @@ class AcceptanceStats:
         self,
         prior: tuple[float, float],
         source_priors: Mapping[str, tuple[float, float]],
-        deep_prior: tuple[float, float] = (3.0, 1.0),
+        deep_prior: tuple[float, float] = (9.0, 1.0),
         strength: float = 4.0,
     ) -> None:
         self.prior = prior
@@ -160,7 +163,7 @@ class CostAwareTreeBuilder:
         self.config = config or BuilderConfig()
         self.cost = CostModel(cost_curve)
         self.aligner = aligner
-        self.stats = AcceptanceStats(self.config.prior, self.config.source_priors)
+        self.stats = AcceptanceStats(self.config.prior, self.config.source_priors, self.config.deep_prior)
         self._requests: OrderedDict[str, _RequestState] = OrderedDict()
         self.last_expected: float = 0.0
 

@@ -1,1 +1,1 @@
-"""draftmesh.verify"""
+"""draftmesh.verify: target backend, token tree, acceptance, policies and the decode loop."""

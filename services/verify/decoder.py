@@ -23,7 +23,10 @@ from draftmesh.verify.acceptance import Verdict
 from draftmesh.verify.policy import AcceptancePolicy, make_policy
 from draftmesh.verify.backend import KVState, TorchTarget
 from draftmesh.verify.sampling import SamplingParams
-from draftmesh.verify.tree import MAX_TREE_NODES, DraftSequence, TokenTree
+from draftmesh.verify.source_caller import SourceCaller
+from draftmesh.verify.text_stream import TextStream
+from draftmesh.verify.tree import MAX_TREE_NODES, TokenTree
+from draftmesh.verify.trie_builder import TrieBuilder
 
 log = logging.getLogger(__name__)
 
@@ -61,6 +64,9 @@ class StepRecord:
     draft_s: float
     verify_s: float
     proposed_by_source: dict[str, int] = field(default_factory=dict)
+    """Proposals each source returned this step."""
+    nodes_by_source: dict[str, int] = field(default_factory=dict)
+    """Verified tree nodes each source proposed (a node can count for several)."""
     accepted_by_source: dict[str, int] = field(default_factory=dict)
     failed_sources: tuple[str, ...] = ()
     lenient: int = 0
@@ -97,6 +103,19 @@ class GenerationResult:
     def tokens_per_s(self) -> float:
         return len(self.token_ids) / self.seconds if self.seconds > 0 else 0.0
 
+    def source_stats(self) -> dict[str, dict[str, float]]:
+        """Per source: tree nodes proposed, tokens accepted, acceptance rate, failed steps."""
+        out: dict[str, dict[str, float]] = {}
+        for step in self.steps:
+            for name in {*step.nodes_by_source, *step.accepted_by_source, *step.failed_sources}:
+                entry = out.setdefault(name, {"nodes": 0, "accepted": 0, "failed_steps": 0})
+                entry["nodes"] += step.nodes_by_source.get(name, 0)
+                entry["accepted"] += step.accepted_by_source.get(name, 0)
+                entry["failed_steps"] += name in step.failed_sources
+        for entry in out.values():
+            entry["acceptance"] = entry["accepted"] / entry["nodes"] if entry["nodes"] else 0.0
+        return out
+
 
 class TreeBuilder(Protocol):
     """Turns a step's proposals into a tree and learns from each verdict."""
@@ -110,36 +129,6 @@ class TreeBuilder(Protocol):
     def finish(self, request_id: str) -> None: ...
 
 
-class TrieBuilder:
-    """The simplest builder: merge token proposals, most confident first, up to a node cap.
-
-    Sampled (q) draws keep their distributions only when no proposal was reordered or cut,
-    since choosing drafts by their values would bias the residual rule.
-    """
-
-    def __init__(self, max_nodes: int = 16) -> None:
-        if max_nodes < 0:
-            raise ValueError(f"max_nodes must be >= 0, got {max_nodes}")
-        self.max_nodes = max_nodes
-
-    def build(self, proposals: Sequence[Proposal], ctx: DraftContext) -> TokenTree:
-        usable = [p for p in proposals if p.token_ids]
-        ranked = sorted(usable, key=lambda p: -p.confidence)
-        seqs = [DraftSequence(p.token_ids, p.source, p.token_dists, p.token_probs) for p in ranked]
-        cap = min(self.max_nodes, int(ctx.options.get("max_nodes", self.max_nodes)))
-        tree = TokenTree.from_sequences(seqs, max_nodes=cap)
-        complete = sum(len(s.tokens) for s in seqs) == len(tree) or not any(p.token_dists is not None for p in usable)
-        if ranked != usable or not complete:
-            tree = tree.strip_q()
-        return tree
-
-    def observe(self, tree: TokenTree, verdict: Verdict, ctx: DraftContext | None = None) -> None:
-        return None
-
-    def finish(self, request_id: str) -> None:
-        return None
-
-
 FlagProvider = Callable[[DraftContext, TokenTree], frozenset[int]]
 """Returns the tree nodes inside spans flagged by the fact-check service."""
 
@@ -151,11 +140,16 @@ class SpeculativeDecoder:
         sources: Sequence[DraftSource] = (),
         builder: TreeBuilder | None = None,
         flag_provider: FlagProvider | None = None,
+        source_deadline_s: float | None = None,
     ) -> None:
         self.target = target
         self.sources = list(sources)
+        names = [s.name for s in self.sources]
+        if len(set(names)) != len(names):
+            raise ValueError(f"draft source names must be unique, got {names}")
         self.builder = builder or TrieBuilder()
         self.flag_provider = flag_provider
+        self.caller = SourceCaller(source_deadline_s)
 
     # ------------------------------------------------------------------ validation
     def validate(self, req: GenerationRequest) -> None:
@@ -211,7 +205,7 @@ class SpeculativeDecoder:
         generator = None if req.sampling.greedy else req.sampling.generator()
         policy: AcceptancePolicy = make_policy(req.policy, req.policy_params, tokenizer=target.tokenizer)
         lenient_total = 0
-        text = _TextTracker(target.tokenizer, req.stop)
+        text = TextStream(target.tokenizer, req.stop)
         generated: list[int] = []
         steps: list[StepRecord] = []
         active = [src for src in self.sources if req.sources is None or src.name in req.sources]
@@ -256,6 +250,10 @@ class SpeculativeDecoder:
             for a in verdict.accepted[: min(taken, len(verdict.accepted))]:
                 for src in tree.sources[a]:
                     accepted_by_source[src] = accepted_by_source.get(src, 0) + 1
+            nodes_by_source: dict[str, int] = {}
+            for srcs in tree.sources:
+                for src in srcs:
+                    nodes_by_source[src] = nodes_by_source.get(src, 0) + 1
             record = StepRecord(
                 tree_size=len(tree),
                 accepted=len(verdict.accepted),
@@ -263,6 +261,7 @@ class SpeculativeDecoder:
                 draft_s=t1 - t0,
                 verify_s=t2 - t1,
                 proposed_by_source=proposed,
+                nodes_by_source=nodes_by_source,
                 accepted_by_source=accepted_by_source,
                 failed_sources=failed,
                 lenient=min(verdict.lenient, taken),
@@ -328,14 +327,12 @@ class SpeculativeDecoder:
     ) -> tuple[TokenTree, dict[str, int], tuple[str, ...]]:
         proposals: list[Proposal] = []
         proposed: dict[str, int] = {}
-        failed: list[str] = []
+        answers = self.caller.call(sources, ctx)
+        failed = list(answers.failed)
         for source in sources:
-            try:
-                got = source.propose(ctx)
-            except Exception:  # a broken source costs speed, never the request
-                log.exception("draft source %s failed; skipped for this step", source.name)
-                failed.append(source.name)
+            if source.name not in answers.proposals:
                 continue
+            got = answers.proposals[source.name]
             valid = [p for p in got if self._usable(p)]
             if len(valid) < len(got):
                 log.warning("draft source %s proposed tokens outside the vocabulary; dropped", source.name)
@@ -393,60 +390,3 @@ def _capped(proposals: list[Proposal], budget: int) -> list[Proposal]:
         out.append(p)
         budget -= n
     return out
-
-
-class _TextTracker:
-    """Incremental detokenization: stream-safe deltas and stop-string cuts."""
-
-    def __init__(self, tokenizer, stop: Sequence[str]) -> None:
-        self.tokenizer = tokenizer
-        self.stop = tuple(stop)
-        self.longest_stop = max((len(s) for s in self.stop), default=0)
-        self.emitted = 0
-        self.stop_at: int | None = None
-
-    def _decode(self, ids: Sequence[int]) -> str:
-        return self.tokenizer.decode(ids, skip_special_tokens=True)
-
-    def update(self, generated: list[int], before: int) -> tuple[str, int | None]:
-        """Return (new text safe to emit, token count to cut to if a stop string appeared)."""
-        text = self._decode(generated)
-        cut = None
-        if self.stop:
-            hit = self._find_stop(text)
-            if hit is not None:
-                self.stop_at = hit
-                cut = self._tokens_for_stop(generated, before)
-                text = text[:hit]
-        safe = len(text)
-        if cut is None:
-            safe -= self._held_back(text)
-        while safe > self.emitted and text[safe - 1] == "\ufffd":  # an incomplete UTF-8 sequence
-            safe -= 1
-        delta = text[self.emitted : safe] if safe > self.emitted else ""
-        self.emitted = max(self.emitted, safe)
-        return delta, cut
-
-    def final(self, generated: list[int]) -> str:
-        text = self._decode(generated)
-        return text[: self.stop_at] if self.stop_at is not None else text
-
-    def _find_stop(self, text: str) -> int | None:
-        start = max(0, self.emitted - self.longest_stop)
-        hits = [i for s in self.stop if (i := text.find(s, start)) >= 0]
-        return min(hits) if hits else None
-
-    def _tokens_for_stop(self, generated: list[int], before: int) -> int:
-        """The fewest tokens whose text already contains a stop string (what plain decoding sees)."""
-        for n in range(max(1, before), len(generated) + 1):
-            if self._find_stop(self._decode(generated[:n])) is not None:
-                return n
-        return len(generated)
-
-    def _held_back(self, text: str) -> int:
-        """Length of the longest text suffix that could still grow into a stop string."""
-        for k in range(min(self.longest_stop - 1, len(text)), 0, -1):
-            tail = text[-k:]
-            if any(s.startswith(tail) for s in self.stop):
-                return k
-        return 0

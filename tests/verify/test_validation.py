@@ -80,3 +80,37 @@ def test_invalid_proposals_are_rejected_at_construction():
         Proposal("x")
     with pytest.raises(ValueError, match="token_probs length"):
         Proposal("x", token_ids=(1, 2), token_probs=(0.5,))
+
+
+def test_a_hanging_source_misses_its_deadline_and_never_stalls_a_step(decoder):
+    import threading
+    import time
+
+    release = threading.Event()
+
+    class Hangs:
+        name = "hangs"
+
+        def propose(self, ctx):
+            release.wait(5)
+            return []
+
+    req = GenerationRequest((1, 2, 3), max_new_tokens=6)
+    want = decoder.generate(req)
+    spec = SpeculativeDecoder(decoder.target, [Hangs()], source_deadline_s=0.02)
+    t0 = time.perf_counter()
+    got = spec.generate(req)
+    elapsed = time.perf_counter() - t0
+    release.set()
+    assert got.token_ids == want.token_ids
+    assert elapsed < 2.0  # 5 steps, each waits at most the deadline
+    reasons = [s.failed_sources for s in got.steps[:-1]]
+    assert reasons[0] == ("hangs",) and all(r == ("hangs",) for r in reasons)
+    assert got.source_stats()["hangs"]["failed_steps"] == len(got.steps) - 1
+
+
+def test_source_names_must_be_unique(decoder):
+    from draftmesh.draft.prompt_lookup import PromptLookupSource
+
+    with pytest.raises(ValueError, match="unique"):
+        SpeculativeDecoder(decoder.target, [PromptLookupSource(), PromptLookupSource()])
