@@ -34,7 +34,8 @@ def cmd_run(args: argparse.Namespace) -> int:
     cfg = config_from_args(args)
     cfg.apply_threads()
     target = TorchTarget.load(cfg.model, device=cfg.device, dtype=cfg.torch_dtype())
-    decoder = build_decoder(target, cfg.sources, max_nodes=cfg.max_nodes, source_deadline_s=cfg.source_deadline_s)
+    decoder = build_decoder(target, cfg.sources, max_nodes=cfg.max_nodes, source_deadline_s=cfg.source_deadline_s,
+        source_options=cfg.source_options)
     if args.raw:
         ids = encode_prompt(target.tokenizer, args.prompt)
     else:

@@ -27,6 +27,9 @@ class EngineConfig:
     threads: int = field(default=0, metadata={"help": "torch CPU threads (0 = torch default)"})
     sources: list[str] | None = field(default=None, metadata={"help": "draft sources (default: all default sources)"})
     source_deadline_ms: int = field(default=100, metadata={"help": "per-step deadline for draft sources (0 = none)"})
+    source_options: dict[str, dict[str, Any]] | None = field(
+        default=None, metadata={"help": "per-source options, e.g. {rag: {paths: [docs/]}} (config file only)"}
+    )
     max_nodes: int = field(default=64, metadata={"help": "upper bound on token-tree nodes per step (the cost curve decides below it)"})
 
     def __post_init__(self) -> None:
@@ -71,6 +74,8 @@ def add_config_arguments(parser: argparse.ArgumentParser, cls: type = EngineConf
     hints = typing.get_type_hints(cls)
     for f in dataclasses.fields(cls):
         tp = hints[f.name]
+        if any(typing.get_origin(a) is dict for a in (tp, *typing.get_args(tp))):
+            continue  # structured options come from the config file
         kwargs: dict[str, Any] = {"default": None, "help": f.metadata.get("help", "")}
         if _is_list(tp):
             kwargs["type"] = lambda s: [x for x in s.split(",") if x]
@@ -104,6 +109,8 @@ def load_config(
     env = os.environ if env is None else env
     for name in names:
         raw = env.get(f"DRAFTMESH_{name.upper()}")
+        if raw is not None and any(typing.get_origin(a) is dict for a in (hints[name], *typing.get_args(hints[name]))):
+            raise ValueError(f"DRAFTMESH_{name.upper()}: {name} can only be set in the config file")
         if raw is not None:
             values[name] = _parse_env(raw, hints[name], name)
     values.update({k: v for k, v in (overrides or {}).items() if v is not None and k in names})

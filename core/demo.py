@@ -47,7 +47,8 @@ def run_demo(cfg: EngineConfig, repeats: int = 3, max_new_tokens: int = 160, out
           + ", ".join(f"{k}:{v:.2f}" for k, v in curve.items()), file=out)
 
     plain = build_decoder(target, [])
-    spec = build_decoder(target, cfg.sources, max_nodes=cfg.max_nodes, source_deadline_s=cfg.source_deadline_s)
+    spec = build_decoder(target, cfg.sources, max_nodes=cfg.max_nodes, source_deadline_s=cfg.source_deadline_s,
+        source_options=cfg.source_options)
     prompt = encode_messages(target.tokenizer, DEMO_MESSAGES)
     req = GenerationRequest(tuple(prompt), max_new_tokens=max_new_tokens)
 
