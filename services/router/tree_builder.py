@@ -165,7 +165,6 @@ class CostAwareTreeBuilder:
         self.aligner = aligner
         self.stats = AcceptanceStats(self.config.prior, self.config.source_priors, self.config.deep_prior)
         self._requests: OrderedDict[str, _RequestState] = OrderedDict()
-        self.last_expected: float = 0.0
 
     @property
     def max_nodes(self) -> int:
@@ -182,13 +181,13 @@ class CostAwareTreeBuilder:
         if not sequences or cap == 0:
             return TokenTree()
         full = TokenTree.from_sequences(sequences)
-        scores = self._scores(full, sequences)
-        keep = self._choose(scores, cap)
+        conf = self._confidences(full, sequences)
+        keep = self._choose(self._scores(full, conf), cap)
         if not keep:
             return TokenTree()
         # Selecting nodes by score looks at sampled tokens' values: keep only deterministic draws.
         tree = full.subtree(keep).strip_q()
-        tree.source_scores = [self._last_conf[i] for i in sorted(keep)]
+        tree.source_scores = [conf[i] for i in sorted(keep)]
         return tree
 
     def _sequences(self, proposals: Sequence[Proposal], ctx: DraftContext) -> list[DraftSequence]:
@@ -202,9 +201,11 @@ class CostAwareTreeBuilder:
                 out.append(DraftSequence(tuple(tokens), p.source, None, probs))
         return out
 
-    def _scores(self, tree: TokenTree, sequences: Sequence[DraftSequence]) -> list[float]:
-        """P(node accepted) = P(parent accepted) * P(node | parent), siblings capped at 1."""
-        conf = self._confidences(tree, sequences)
+    def _scores(self, tree: TokenTree, conf: Sequence[Mapping[str, float]]) -> list[float]:
+        """P(node accepted) = P(parent accepted) * P(node | parent), siblings capped at 1.
+
+        ``conf[i]`` is the confidence each proposing source gave node i (``_confidences``).
+        """
         cond = [0.0] * len(tree)
         for i in range(len(tree)):
             miss = 1.0
@@ -220,7 +221,6 @@ class CostAwareTreeBuilder:
         scores = [0.0] * len(tree)
         for i, p in enumerate(tree.parents):
             scores[i] = cond[i] * (1.0 if p < 0 else scores[p])
-        self._last_conf = conf
         return scores
 
     @staticmethod
@@ -244,7 +244,6 @@ class CostAwareTreeBuilder:
             rate = expected / self.cost(k + 1)
             if rate > best_rate:
                 best_k, best_rate = k, rate
-        self.last_expected = best_rate * self.cost(best_k + 1)
         if best_rate < self.config.min_gain / self.cost(1):
             return []
         return order[:best_k]

@@ -83,8 +83,9 @@ def test_agreement_between_sources_raises_the_score():
     builder = CostAwareTreeBuilder(CURVE)
     one = [DraftSequence((5, 6), "a", None, (0.5, 0.5))]
     two = one + [DraftSequence((5, 6), "b", None, (0.5, 0.5))]
-    s1 = builder._scores(TokenTree.from_sequences(one), one)
-    s2 = builder._scores(TokenTree.from_sequences(two), two)
+    t1, t2 = TokenTree.from_sequences(one), TokenTree.from_sequences(two)
+    s1 = builder._scores(t1, builder._confidences(t1, one))
+    s2 = builder._scores(t2, builder._confidences(t2, two))
     assert s2[0] > s1[0] and s2[1] > s1[1]
     assert s1[1] < s1[0]  # a child never scores above its parent
 
