@@ -574,14 +574,8 @@ def measure_fidelity(results: Iterable[ItemResult]) -> None:
 
 
 def top2_gap(target, prompt_ids: Sequence[int], prefix: Sequence[int]) -> float:
-    """Top-1 minus top-2 logit of the model after ``prompt + prefix`` (one full forward)."""
-    import torch
-
-    ids = torch.tensor([list(prompt_ids) + list(prefix)], dtype=torch.long, device=target.device)
-    with torch.inference_mode():
-        logits = target.model(input_ids=ids, use_cache=False).logits[0, -1].float()
-    top = torch.topk(logits, 2).values
-    return float(top[0] - top[1])
+    """Plain decoding's top-1 minus top-2 logit after ``prompt + prefix``."""
+    return target.top2_gap([*prompt_ids, *prefix])
 
 
 # ====================================================================== the loop

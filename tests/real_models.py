@@ -10,10 +10,8 @@ from __future__ import annotations
 
 import warnings
 
-import torch
-
 from draftmesh.prompts import encode_messages
-from draftmesh.verify.backend import KVState, TorchTarget
+from draftmesh.verify.backend import TorchTarget
 
 TIE_TOLERANCE = 1e-3
 
@@ -34,18 +32,11 @@ PROMPTS = [
 ]
 
 
-def top2_gap(target: TorchTarget, ids: list[int]) -> float:
-    state = KVState()
-    target.prefill(state, ids[:-1])
-    top = torch.topk(target.step(state, ids[-1])[0], 2).values
-    return float(top[0] - top[1])
-
-
 def assert_identical_or_near_tie(target: TorchTarget, prompt: list[int], want: list[int], got: list[int]) -> None:
     if got == want:
         return
     k = next((i for i, (a, b) in enumerate(zip(want, got)) if a != b), min(len(want), len(got)))
-    gap = top2_gap(target, prompt + want[:k])
+    gap = target.top2_gap(prompt + want[:k])
     warnings.warn(f"greedy divergence at token {k}: top-2 logit gap {gap:.2e} (tolerance {TIE_TOLERANCE})")
     assert gap < TIE_TOLERANCE, f"divergence at token {k} with a clear top-2 gap {gap}: a losslessness bug"
 

@@ -127,6 +127,17 @@ class TorchTarget:
         mask.masked_fill_(~visible, torch.finfo(self.dtype).min)
         return mask[None, None]
 
+    def top2_gap(self, token_ids: Sequence[int]) -> float:
+        """Top-1 minus top-2 logit after ``token_ids`` under plain decoding.
+
+        Where this is tiny, fp32 noise between a one-token step and a tree forward can
+        flip the argmax: the yardstick for reporting a greedy divergence.
+        """
+        state = KVState()
+        self.prefill(state, token_ids[:-1])
+        top = torch.topk(self.step(state, token_ids[-1])[0], 2).values
+        return float(top[0] - top[1])
+
     # ------------------------------------------------------------------ cache upkeep
     def commit(self, state: KVState, base: int, keep: Sequence[int]) -> None:
         """Keep cache[:base] plus the entries at ``base + keep`` (forward offsets), contiguously."""
