@@ -26,16 +26,13 @@ def cmd_demo(args: argparse.Namespace) -> int:
 
 def cmd_run(args: argparse.Namespace) -> int:
     from draftmesh.prompts import encode_messages, encode_prompt
-    from draftmesh.router.engine import build_decoder
-    from draftmesh.verify.backend import TorchTarget
+    from draftmesh.router.engine import decoder_from_config, load_target
     from draftmesh.verify.decoder import GenerationRequest
     from draftmesh.verify.sampling import SamplingParams
 
     cfg = config_from_args(args)
-    cfg.apply_threads()
-    target = TorchTarget.load(cfg.model, device=cfg.device, dtype=cfg.torch_dtype())
-    decoder = build_decoder(target, cfg.sources, max_nodes=cfg.max_nodes, source_deadline_s=cfg.source_deadline_s,
-        source_options=cfg.source_options)
+    target = load_target(cfg)
+    decoder = decoder_from_config(target, cfg)
     if args.raw:
         ids = encode_prompt(target.tokenizer, args.prompt)
     else:
@@ -63,11 +60,9 @@ def cmd_run(args: argparse.Namespace) -> int:
 
 
 def cmd_cost_curve(args: argparse.Namespace) -> int:
-    from draftmesh.verify.backend import TorchTarget
+    from draftmesh.router.engine import load_target
 
-    cfg = config_from_args(args)
-    cfg.apply_threads()
-    target = TorchTarget.load(cfg.model, device=cfg.device, dtype=cfg.torch_dtype())
+    target = load_target(config_from_args(args))
     curve = target.measure_cost_curve(context=args.context, repeats=args.repeats)
     print(f"one-token step: {target.step_seconds * 1000:.1f} ms (context {args.context})")
     for k, v in curve.items():

@@ -34,13 +34,11 @@ DEMO_MESSAGES = [
 
 def run_demo(cfg: EngineConfig, repeats: int = 3, max_new_tokens: int = 160, out=sys.stdout) -> dict:
     from draftmesh.prompts import encode_messages
-    from draftmesh.router.engine import build_decoder
-    from draftmesh.verify.backend import TorchTarget
+    from draftmesh.router.engine import build_decoder, decoder_from_config, load_target
     from draftmesh.verify.decoder import GenerationRequest
 
-    cfg.apply_threads()
     t0 = time.perf_counter()
-    target = TorchTarget.load(cfg.model, device=cfg.device, dtype=cfg.torch_dtype())
+    target = load_target(cfg)
     print(f"loaded {cfg.model} in {time.perf_counter() - t0:.1f}s", file=out)
     curve = target.measure_cost_curve()
     print("verify cost curve (forward of k tokens / 1 token): "
@@ -48,10 +46,7 @@ def run_demo(cfg: EngineConfig, repeats: int = 3, max_new_tokens: int = 160, out
 
     def fresh_speculative():
         """A decoder with no memory of earlier requests, so the figure is the prompt's own."""
-        return build_decoder(
-            target, cfg.sources, max_nodes=cfg.max_nodes, source_deadline_s=cfg.source_deadline_s,
-            source_options=cfg.source_options,
-        )
+        return decoder_from_config(target, cfg)
 
     plain = build_decoder(target, [])
     prompt = encode_messages(target.tokenizer, DEMO_MESSAGES)

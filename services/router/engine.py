@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from typing import Mapping, Sequence
 
+from draftmesh.config import EngineConfig
 from draftmesh.draft import registry
 from draftmesh.draft.align import TextAligner
 from draftmesh.router.tree_builder import BuilderConfig, CostAwareTreeBuilder
@@ -40,3 +41,20 @@ def build_decoder(
     aligner = TextAligner(target.tokenizer) if getattr(target.tokenizer, "backend_tokenizer", None) else None
     builder = CostAwareTreeBuilder(target.cost_curve or {1: 1.0}, config, aligner=aligner)
     return SpeculativeDecoder(target, built, builder, source_deadline_s=source_deadline_s)
+
+
+def load_target(cfg: EngineConfig) -> TorchTarget:
+    """The config's target model, on its device and dtype, with its thread count applied."""
+    cfg.apply_threads()
+    return TorchTarget.load(cfg.model, device=cfg.device, dtype=cfg.torch_dtype())
+
+
+def decoder_from_config(target: TorchTarget, cfg: EngineConfig) -> SpeculativeDecoder:
+    """``build_decoder`` with the config's sources, options, node cap and source deadline."""
+    return build_decoder(
+        target,
+        cfg.sources,
+        source_options=cfg.source_options,
+        max_nodes=cfg.max_nodes,
+        source_deadline_s=cfg.source_deadline_s,
+    )
