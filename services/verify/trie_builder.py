@@ -31,9 +31,12 @@ class TrieBuilder:
         ranked = sorted(usable, key=lambda p: -p.confidence)
         seqs = [DraftSequence(p.token_ids, p.source, p.token_dists, p.token_probs) for p in ranked]
         cap = min(self.max_nodes, int(ctx.options.get("max_nodes", self.max_nodes)))
-        tree = TokenTree.from_sequences(seqs, max_nodes=cap)
-        complete = sum(len(s.tokens) for s in seqs) == len(tree) or not any(p.token_dists is not None for p in usable)
-        if ranked != usable or not complete:
+        tree = TokenTree.from_sequences(seqs)
+        cut = len(tree) > cap
+        if cut:  # the first `cap` nodes are what a capped build keeps (parents precede children)
+            tree = tree.subtree(range(cap))
+        reordered = any(a is not b for a, b in zip(ranked, usable))
+        if reordered or cut:
             tree = tree.strip_q()
         return tree
 

@@ -80,3 +80,21 @@ def test_tree_size_is_bounded():
     tree = TokenTree.from_sequences([DraftSequence(list(range(50)), "a")])
     with pytest.raises(ValueError, match="exceeds the limit"):
         tree.validate(max_nodes=20)
+
+
+def test_trie_builder_keeps_q_draws_unless_it_cuts_or_reorders():
+    from draftmesh.draft.base import DraftContext, Proposal
+    from draftmesh.verify.trie_builder import TrieBuilder
+
+    q = torch.full((2, 6), 1 / 6, dtype=torch.float64)
+    ctx = DraftContext(token_ids=(1,), prompt_len=1)
+    merged = [Proposal("a", token_ids=(1, 2), token_dists=q), Proposal("b", token_ids=(1, 3), token_dists=q)]
+    tree = TrieBuilder(max_nodes=8).build(merged, ctx)
+    assert tree.tokens == [1, 2, 3] and [len(d) for d in tree.qdraws] == [2, 1, 1]  # shared prefix, nothing cut
+    assert TrieBuilder(max_nodes=2).build(merged, ctx).qdraws == [(), ()]  # cut: deterministic only
+    reordered = [Proposal("a", token_ids=(1, 2), token_dists=q, confidence=0.1),
+                 Proposal("b", token_ids=(1, 2), token_dists=q, confidence=0.9)]
+    assert TrieBuilder(max_nodes=8).build(reordered, ctx).qdraws == [(), ()]
+    capped = TrieBuilder(max_nodes=3).build([Proposal("a", token_ids=(1, 2, 3, 4)), Proposal("b", token_ids=(5,))], ctx)
+    assert capped.tokens == TokenTree.from_sequences([DraftSequence((1, 2, 3, 4), "a"), DraftSequence((5,), "b")],
+                                                     max_nodes=3).tokens
