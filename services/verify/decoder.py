@@ -152,7 +152,8 @@ class SpeculativeDecoder:
         self.caller = SourceCaller(source_deadline_s)
 
     # ------------------------------------------------------------------ validation
-    def validate(self, req: GenerationRequest) -> None:
+    def validate(self, req: GenerationRequest) -> AcceptancePolicy:
+        """Raise ValueError naming what is wrong; return the request's acceptance policy."""
         ctx = self.target.max_context
         if len(req.prompt_ids) == 0:
             raise ValueError("prompt is empty")
@@ -170,7 +171,7 @@ class SpeculativeDecoder:
             raise ValueError(f"prompt token ids outside the vocabulary: {bad[:5]}")
         if any(not isinstance(s, str) or not s for s in req.stop):
             raise ValueError("stop strings must be non-empty strings")
-        make_policy(req.policy, req.policy_params, tokenizer=self.target.tokenizer)
+        policy = make_policy(req.policy, req.policy_params, tokenizer=self.target.tokenizer)
         names = [src.name for src in self.sources]
         for name in list(req.sources or ()) + list(req.source_caps):
             if name not in names:
@@ -182,6 +183,7 @@ class SpeculativeDecoder:
                 raise ValueError(f"source cap for {name!r} must be an integer >= 0, got {cap!r}")
         if req.max_nodes is not None and (not isinstance(req.max_nodes, int) or not 0 <= req.max_nodes <= MAX_TREE_NODES):
             raise ValueError(f"max_nodes must be an integer in [0, {MAX_TREE_NODES}], got {req.max_nodes!r}")
+        return policy
 
     # ------------------------------------------------------------------ the loop
     def generate(self, req: GenerationRequest) -> GenerationResult:
@@ -193,7 +195,7 @@ class SpeculativeDecoder:
 
     def stream(self, req: GenerationRequest) -> Iterator[StepEvent | GenerationResult]:
         """Yield a StepEvent per step (possibly with empty text), then the GenerationResult."""
-        self.validate(req)
+        policy = self.validate(req)
         if not req.request_id:
             req = dataclasses.replace(req, request_id=uuid.uuid4().hex)
         target = self.target
@@ -203,7 +205,6 @@ class SpeculativeDecoder:
         target.prefill(state, prompt[:-1])
         pending = prompt[-1]
         generator = None if req.sampling.greedy else req.sampling.generator()
-        policy: AcceptancePolicy = make_policy(req.policy, req.policy_params, tokenizer=target.tokenizer)
         lenient_total = 0
         text = TextStream(target.tokenizer, req.stop)
         generated: list[int] = []
