@@ -7,7 +7,7 @@ import logging
 import os
 import sys
 
-from draftmesh.config import EngineConfig, add_config_arguments, config_from_args
+from draftmesh.config import EngineConfig, MeshConfig, add_config_arguments, config_from_args
 
 
 def _offline_defaults() -> None:
@@ -89,6 +89,76 @@ def cmd_bench(args: argparse.Namespace) -> int:
     return bench.run(args)
 
 
+def cmd_draft_serve(args: argparse.Namespace) -> int:
+    """Serve one built-in draft source over gRPC until Ctrl-C or SIGTERM."""
+    import signal
+    import threading
+
+    import yaml
+
+    from draftmesh.draft import registry
+    from draftmesh.draft.grpc_server import serve_source
+    from draftmesh.models import load_tokenizer
+
+    options = {}
+    if args.options_yaml:
+        try:
+            with open(args.options_yaml, encoding="utf-8") as fh:
+                options = yaml.safe_load(fh) or {}
+        except OSError as exc:
+            raise ValueError(f"cannot read --options-yaml: {exc}") from None
+        if not isinstance(options, dict):
+            raise ValueError(f"{args.options_yaml}: the source options must be a mapping")
+    tokenizer = load_tokenizer(args.model)
+    source = registry.create(args.source, registry.SourceEnv(tokenizer=tokenizer, vocab_size=len(tokenizer)), **options)
+    server, port = serve_source(source, args.port, host=args.host)
+    stop = threading.Event()
+    previous = signal.signal(signal.SIGTERM, lambda *_: stop.set())
+    print(f"draft source {args.source!r} listening on {args.host}:{port}", flush=True)
+    try:
+        while not stop.wait(0.5):
+            pass
+    except KeyboardInterrupt:
+        pass
+    finally:
+        signal.signal(signal.SIGTERM, previous)
+        server.stop(args.grace).wait()
+    print(f"draft source {args.source!r} stopped", file=sys.stderr)
+    return 0
+
+
+def cmd_serve(args: argparse.Namespace) -> int:
+    """Run the whole mesh (Redis, Ray, Serve, gRPC) until Ctrl-C or SIGTERM, then stop it cleanly."""
+    import signal
+    import threading
+
+    from draftmesh.config import MeshConfig
+    from draftmesh.router.launcher import start_mesh
+
+    cfg = config_from_args(args, MeshConfig)
+    stop = threading.Event()
+    previous = {sig: signal.signal(sig, lambda *_: stop.set()) for sig in (signal.SIGTERM, signal.SIGINT)}
+    mesh = start_mesh(cfg)
+    try:
+        tls = " with TLS" if cfg.tls_cert else ""
+        auth = f", {len(cfg.api_keys)} API key(s)" if cfg.api_keys else ""
+        print(f"draftmesh: serving {cfg.model} on {mesh.address}{tls} (gRPC draftmesh.v1.Generation{auth}); "
+              f"redis {mesh.config.redis_url}; ready in {mesh.started_s:.1f}s. Ctrl-C to stop.", flush=True)
+        stop.wait()
+        print("draftmesh: stopping", file=sys.stderr, flush=True)
+    finally:
+        mesh.stop()
+        for sig, handler in previous.items():
+            signal.signal(sig, handler)
+    return 0
+
+
+def cmd_generate(args: argparse.Namespace) -> int:
+    from draftmesh.client import run_generate_cli
+
+    return run_generate_cli(args)
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="draftmesh", description=__doc__)
     parser.add_argument("-v", "--verbose", action="store_true")
@@ -121,6 +191,25 @@ def build_parser() -> argparse.ArgumentParser:
     prep = sub.add_parser("prepare-models", help="convert the packaged models into the local cache")
     prep.add_argument("models", nargs="*", help="model specs (default: all packaged models)")
     prep.set_defaults(func=cmd_prepare_models)
+
+    ds = sub.add_parser("draft-serve", help="serve a built-in draft source over gRPC (draftmesh.v1.DraftSource)")
+    ds.add_argument("--source", required=True, help="built-in source name (history, rules, rag, prompt_lookup, llm)")
+    ds.add_argument("--port", type=int, default=9100, help="0: any free port")
+    ds.add_argument("--host", default="0.0.0.0")
+    ds.add_argument("--model", default="smollm2-135m", help="the target model whose tokenizer the source uses")
+    ds.add_argument("--options-yaml", default=None, help="YAML mapping of the source's options")
+    ds.add_argument("--grace", type=float, default=2.0, help="seconds in-flight calls get on shutdown")
+    ds.set_defaults(func=cmd_draft_serve)
+
+    srv = sub.add_parser("serve", help="run the mesh: Ray Serve deployments behind the gRPC front door")
+    add_config_arguments(srv, MeshConfig)
+    srv.set_defaults(func=cmd_serve)
+
+    from draftmesh.client import add_generate_arguments
+
+    gen = sub.add_parser("generate", help="send one request to a running mesh and print the answer and its stats")
+    add_generate_arguments(gen)
+    gen.set_defaults(func=cmd_generate)
 
     try:
         from draftmesh import bench

@@ -60,6 +60,66 @@ class EngineConfig:
             torch.set_num_threads(self.threads)
 
 
+@dataclass
+class MeshConfig(EngineConfig):
+    """The engine config plus what the served mesh needs (``draftmesh serve``, the Helm chart)."""
+
+    grpc_port: int = field(default=9000, metadata={"help": "public gRPC port"})
+    address: str | None = field(default=None, metadata={"help": "Ray cluster address (default: start a local Ray)"})
+    verifier_replicas: int = field(default=1, metadata={"help": "verifier pool replicas (each holds the target model)"})
+    verifier_num_gpus: float = field(default=0.0, metadata={"help": "GPUs per verifier replica"})
+    verifier_num_cpus: float = field(default=1.0, metadata={"help": "CPUs reserved per verifier replica"})
+    verifier_max_ongoing: int = field(default=4, metadata={"help": "requests one verifier replica runs at once (steps interleave)"})
+    router_replicas: int = field(default=1, metadata={"help": "router (ingress) replicas"})
+    max_in_flight: int = field(default=32, metadata={"help": "requests a router replica admits at once; beyond: RESOURCE_EXHAUSTED"})
+    remote_sources: dict[str, dict[str, Any]] | None = field(
+        default=None,
+        metadata={"help": "sources outside the verifier: {name: {address: host:port}} for an external gRPC "
+                          "DraftSource, {name: {deployment: {num_replicas, num_cpus, num_gpus}}} for a Serve "
+                          "draft deployment of a built-in source or {factory: module:callable} (config file only)"},
+    )
+    api_keys: list[str] | None = field(default=None, metadata={"help": "bearer tokens accepted by the router (unset: no auth)"})
+    tls_cert: str | None = field(default=None, metadata={"help": "PEM certificate for the gRPC port (with --tls-key)"})
+    tls_key: str | None = field(default=None, metadata={"help": "PEM private key for the gRPC port"})
+    redis_url: str | None = field(default=None, metadata={"help": "answer-store Redis (default: REDIS_URL, else an embedded redis-server)"})
+    default_max_new_tokens: int = field(default=256, metadata={"help": "max_new_tokens when a request leaves it unset"})
+    max_prompt_bytes: int = field(default=65536, metadata={"help": "largest prompt (all messages together), in UTF-8 bytes"})
+    max_documents: int = field(default=16, metadata={"help": "most inline documents per request"})
+    max_document_bytes: int = field(default=262144, metadata={"help": "largest inline document, in UTF-8 bytes"})
+    max_stop_strings: int = field(default=8, metadata={"help": "most stop strings per request"})
+    session_cache_size: int = field(default=64, metadata={"help": "sessions whose KV cache a verifier replica keeps"})
+
+    def __post_init__(self) -> None:
+        super().__post_init__()
+        for name in ("verifier_replicas", "router_replicas", "max_in_flight", "verifier_max_ongoing",
+                     "default_max_new_tokens", "max_prompt_bytes", "max_document_bytes", "max_stop_strings"):
+            if getattr(self, name) < 1:
+                raise ValueError(f"{name} must be >= 1, got {getattr(self, name)}")
+        for name in ("verifier_num_gpus", "verifier_num_cpus", "max_documents", "session_cache_size"):
+            if getattr(self, name) < 0:
+                raise ValueError(f"{name} must be >= 0, got {getattr(self, name)}")
+        if not 0 < self.grpc_port < 65536:
+            raise ValueError(f"grpc_port must be in 1..65535, got {self.grpc_port}")
+        if (self.tls_cert is None) != (self.tls_key is None):
+            raise ValueError("tls_cert and tls_key must be given together")
+        for name, spec in (self.remote_sources or {}).items():
+            if not isinstance(spec, dict) or len({"address", "deployment", "factory"} & set(spec)) == 0:
+                raise ValueError(f"remote_sources.{name}: give address (external gRPC) or deployment/factory (Serve)")
+            unknown = set(spec) - {"address", "deployment", "factory", "options", "timeout_ms",
+                                   "token_ids", "secure", "root_certificates"}
+            if unknown:
+                raise ValueError(f"remote_sources.{name}: unknown keys {', '.join(sorted(unknown))}")
+            if "address" in spec and ({"deployment", "factory"} & set(spec)):
+                raise ValueError(f"remote_sources.{name}: an external address cannot also be a deployment")
+        overlap = set(self.sources or ()) & set(self.remote_sources or {})
+        if overlap:
+            raise ValueError(f"sources {', '.join(sorted(overlap))} are listed both in-process and remote")
+
+    def to_dict(self) -> dict[str, Any]:
+        """Plain data for Ray Serve's deployment args and the Helm chart's serveConfigV2."""
+        return dataclasses.asdict(self)
+
+
 def _flag(name: str) -> str:
     return "--" + name.replace("_", "-")
 
@@ -84,6 +144,8 @@ def add_config_arguments(parser: argparse.ArgumentParser, cls: type = EngineConf
             kwargs["choices"] = typing.get_args(tp)
         elif tp in (int, float, str):
             kwargs["type"] = tp
+        elif any(a in (int, float) for a in typing.get_args(tp)):
+            kwargs["type"] = next(a for a in typing.get_args(tp) if a in (int, float))
         parser.add_argument(_flag(f.name), dest=f.name, **kwargs)
 
 
@@ -125,9 +187,10 @@ def config_from_args(args: argparse.Namespace, cls: type = EngineConfig):
 def _parse_env(raw: str, tp: Any, name: str) -> Any:
     if _is_list(tp):
         return [x for x in raw.split(",") if x]
-    if tp is int:
-        try:
-            return int(raw)
-        except ValueError:
-            raise ValueError(f"DRAFTMESH_{name.upper()} must be an integer, got {raw!r}") from None
+    for kind, word in ((int, "an integer"), (float, "a number")):
+        if tp is kind or kind in typing.get_args(tp) and str not in typing.get_args(tp):
+            try:
+                return kind(raw)
+            except ValueError:
+                raise ValueError(f"DRAFTMESH_{name.upper()} must be {word}, got {raw!r}") from None
     return raw

@@ -6,10 +6,12 @@ from typing import Mapping, Sequence
 
 from draftmesh.config import EngineConfig
 from draftmesh.draft import registry
+from draftmesh.draft.base import DraftSource
 from draftmesh.draft.align import TextAligner
 from draftmesh.router.tree_builder import BuilderConfig, CostAwareTreeBuilder
 from draftmesh.verify.backend import TorchTarget
 from draftmesh.verify.decoder import SpeculativeDecoder
+from draftmesh.verify.session_kv import SessionKVPool
 
 
 def build_decoder(
@@ -21,12 +23,15 @@ def build_decoder(
     builder_config: BuilderConfig | None = None,
     redis_url: str | None = None,
     source_deadline_s: float | None = 0.1,
+    extra_sources: Sequence[DraftSource] = (),
+    kv_pool: SessionKVPool | None = None,
 ) -> SpeculativeDecoder:
     """``sources=None`` means the default set; an empty list means plain decoding.
 
     The tree budget comes from the target's verify cost curve, measured here once if the
     target has none yet. Each step waits at most ``source_deadline_s`` for the sources
-    (None: call them inline, without a deadline).
+    (None: call them inline, without a deadline). ``extra_sources`` are already built (remote
+    sources: a Serve draft deployment, an external gRPC DraftSource).
     """
     names = registry.DEFAULT_SOURCES if sources is None else tuple(sources)
     options = source_options or {}
@@ -34,13 +39,13 @@ def build_decoder(
     if unknown:
         raise ValueError(f"options given for unknown draft sources: {', '.join(unknown)}")
     env = registry.SourceEnv(tokenizer=target.tokenizer, vocab_size=target.vocab_size, redis_url=redis_url)
-    built = [registry.create(name, env, **dict(options.get(name, {}))) for name in names]
+    built = [registry.create(name, env, **dict(options.get(name, {}))) for name in names] + list(extra_sources)
     if built and not target.cost_curve:
         target.measure_cost_curve()
     config = builder_config or BuilderConfig(max_nodes=max_nodes)
     aligner = TextAligner(target.tokenizer) if getattr(target.tokenizer, "backend_tokenizer", None) else None
     builder = CostAwareTreeBuilder(target.cost_curve or {1: 1.0}, config, aligner=aligner)
-    return SpeculativeDecoder(target, built, builder, source_deadline_s=source_deadline_s)
+    return SpeculativeDecoder(target, built, builder, source_deadline_s=source_deadline_s, kv_pool=kv_pool)
 
 
 def load_target(cfg: EngineConfig) -> TorchTarget:
@@ -49,12 +54,21 @@ def load_target(cfg: EngineConfig) -> TorchTarget:
     return TorchTarget.load(cfg.model, device=cfg.device, dtype=cfg.torch_dtype())
 
 
-def decoder_from_config(target: TorchTarget, cfg: EngineConfig) -> SpeculativeDecoder:
-    """``build_decoder`` with the config's sources, options, node cap and source deadline."""
+def decoder_from_config(
+    target: TorchTarget,
+    cfg: EngineConfig,
+    *,
+    extra_sources: Sequence[DraftSource] = (),
+    kv_pool: SessionKVPool | None = None,
+) -> SpeculativeDecoder:
+    """``build_decoder`` with the config's sources, options, node cap, source deadline and Redis."""
     return build_decoder(
         target,
         cfg.sources,
         source_options=cfg.source_options,
         max_nodes=cfg.max_nodes,
         source_deadline_s=cfg.source_deadline_s,
+        redis_url=getattr(cfg, "redis_url", None),
+        extra_sources=extra_sources,
+        kv_pool=kv_pool,
     )

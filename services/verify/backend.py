@@ -34,6 +34,16 @@ class KVState:
     cache: DynamicCache = field(default_factory=DynamicCache)
     length: int = 0
 
+    def crop(self, n: int) -> None:
+        """Keep the first ``n`` entries: the cache of a prefix is a prefix of the cache."""
+        if not 0 <= n <= self.length:
+            raise ValueError(f"cannot crop a cache of {self.length} tokens to {n}")
+        for layer in self.cache.layers:
+            if getattr(layer, "keys", None) is not None:
+                layer.keys = layer.keys[..., :n, :]
+                layer.values = layer.values[..., :n, :]
+        self.length = n
+
 
 class TorchTarget:
     """A Hugging Face causal LM used as the target model."""

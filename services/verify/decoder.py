@@ -23,6 +23,7 @@ from draftmesh.verify.acceptance import Verdict
 from draftmesh.verify.policy import AcceptancePolicy, make_policy
 from draftmesh.verify.backend import KVState, TorchTarget
 from draftmesh.verify.sampling import SamplingParams
+from draftmesh.verify.session_kv import SessionKVPool
 from draftmesh.verify.source_caller import SourceCaller
 from draftmesh.verify.text_stream import TextStream
 from draftmesh.verify.tree import MAX_TREE_NODES, TokenTree
@@ -93,6 +94,10 @@ class GenerationResult:
     policy: str = "exact"
     lossless: bool = True
     lenient_tokens: int = 0
+    replica: str = ""
+    """The verifier replica that served it (set by the serving layer)."""
+    reused_tokens: int = 0
+    """Prompt tokens whose KV came from the session's previous request (not prefilled)."""
 
     @property
     def mean_accepted_per_step(self) -> float:
@@ -141,6 +146,7 @@ class SpeculativeDecoder:
         builder: TreeBuilder | None = None,
         flag_provider: FlagProvider | None = None,
         source_deadline_s: float | None = None,
+        kv_pool: SessionKVPool | None = None,
     ) -> None:
         self.target = target
         self.sources = list(sources)
@@ -150,6 +156,7 @@ class SpeculativeDecoder:
         self.builder = builder or TrieBuilder()
         self.flag_provider = flag_provider
         self.caller = SourceCaller(source_deadline_s)
+        self.kv_pool = kv_pool
 
     # ------------------------------------------------------------------ validation
     def validate(self, req: GenerationRequest) -> AcceptancePolicy:
@@ -201,8 +208,14 @@ class SpeculativeDecoder:
         target = self.target
         t_start = time.perf_counter()
         prompt = list(req.prompt_ids)
-        state = KVState()
-        target.prefill(state, prompt[:-1])
+        pool = self.kv_pool if req.session_id else None
+        # The cache must never go beyond prompt[:-1]: the last prompt token is the first root.
+        state, cached = pool.checkout(req.session_id, prompt[:-1]) if pool is not None else (KVState(), [])
+        reused = len(cached)
+        target.prefill(state, prompt[reused:-1])
+        # The ids whose KV the cache holds, tracked apart from the output: a stop-string cut
+        # drops emitted tokens whose KV stays in the cache.
+        cached = prompt[:-1]
         pending = prompt[-1]
         generator = None if req.sampling.greedy else req.sampling.generator()
         lenient_total = 0
@@ -228,6 +241,7 @@ class SpeculativeDecoder:
                 flagged = self._flags(ctx, tree)
             verdict = policy.verify(tree, logits, req.sampling, generator, flagged)
             target.commit(state, base, [0] + [1 + a for a in verdict.accepted])
+            cached += [pending] + [tree.tokens[a] for a in verdict.accepted]
             t2 = time.perf_counter()
             self.builder.observe(tree, verdict, ctx)
 
@@ -273,6 +287,10 @@ class SpeculativeDecoder:
                 first_token_s = time.perf_counter() - t_start
             pending = generated[-1] if generated else pending
             yield StepEvent(generated[len(generated) - taken :], delta, record)
+        # Only a request that ran to its end puts its cache back: after an exception or a
+        # close (cancel) the state may be half-updated, and dropping it is always safe.
+        if pool is not None:
+            pool.checkin(req.session_id, cached, state)
         final_text = text.final(generated)
         result = GenerationResult(
             token_ids=generated,
@@ -285,6 +303,7 @@ class SpeculativeDecoder:
             policy=policy.name,
             lossless=policy.lossless,
             lenient_tokens=lenient_total,
+            reused_tokens=reused,
         )
         self.builder.finish(req.request_id)
         self._finish_sources(req, prompt, generated, final_text)

@@ -1,0 +1,76 @@
+"""DraftContext and Proposal to and from the DraftSource protos.
+
+One conversion for every path a draft travels: a Ray Serve handle call to a draft
+deployment, an external gRPC DraftSource, and the gRPC server that exposes a built-in
+source. Token-id proposals only make sense with the target's tokenizer, so the request
+names it and a source that does not share it answers in text.
+"""
+
+from __future__ import annotations
+
+from typing import Sequence
+
+from draftmesh.draft.base import DraftContext, Proposal
+from draftmesh.v1 import draft_source_pb2 as pb
+from draftmesh.v1 import generation_pb2 as gen_pb
+
+
+def context_to_proto(ctx: DraftContext, tokenizer: str = "") -> pb.ProposeRequest:
+    return pb.ProposeRequest(
+        request_id=ctx.request_id,
+        session_id=ctx.session_id or "",
+        tokenizer=tokenizer,
+        token_ids=list(ctx.token_ids),
+        prompt_len=ctx.prompt_len,
+        text_tail=ctx.text_tail,
+        documents=[gen_pb.Document(id=str(i), text=d) for i, d in enumerate(ctx.documents)],
+        size_hint=ctx.size_hint,
+        temperature=float(ctx.options.get("temperature") or 0.0),
+    )
+
+
+def context_from_proto(req: pb.ProposeRequest) -> DraftContext:
+    if req.prompt_len > len(req.token_ids):
+        raise ValueError(f"prompt_len {req.prompt_len} exceeds the {len(req.token_ids)} token ids")
+    return DraftContext(
+        token_ids=tuple(req.token_ids),
+        prompt_len=req.prompt_len,
+        text_tail=req.text_tail,
+        documents=tuple(d.text for d in req.documents),
+        session_id=req.session_id or None,
+        request_id=req.request_id,
+        size_hint=req.size_hint or 16,
+        options={"temperature": req.temperature},
+    )
+
+
+def proposals_to_proto(source: str, proposals: Sequence[Proposal]) -> pb.ProposeResponse:
+    """Token-id proposals travel as ids, text ones as text; draft distributions stay home
+    (a remote draft is then treated as deterministic, which keeps sampling exact)."""
+    out = pb.ProposeResponse(source=source)
+    for p in proposals:
+        msg = out.proposals.add(confidence=float(p.confidence), text_complete=p.text_complete)
+        if p.token_ids is not None:
+            msg.token_ids.extend(p.token_ids)
+            if p.token_probs is not None:
+                msg.token_probs.extend(p.token_probs)
+        else:
+            msg.text = p.text or ""
+    return out
+
+
+def proposals_from_proto(resp: pb.ProposeResponse, source: str, *, token_ids_ok: bool = True) -> list[Proposal]:
+    """Proposals named after ``source`` (the name this deployment knows it by, not the one
+    it claims). With ``token_ids_ok`` False, id proposals are dropped: the source does not
+    share the target's tokenizer."""
+    out = []
+    for msg in resp.proposals:
+        confidence = min(1.0, max(0.0, msg.confidence)) if msg.confidence == msg.confidence else 0.0
+        if msg.token_ids:
+            if not token_ids_ok:
+                continue
+            probs = tuple(msg.token_probs) if len(msg.token_probs) == len(msg.token_ids) else None
+            out.append(Proposal(source, token_ids=tuple(msg.token_ids), token_probs=probs, confidence=confidence))
+        elif msg.text:
+            out.append(Proposal(source, text=msg.text, confidence=confidence, text_complete=msg.text_complete))
+    return out

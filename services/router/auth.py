@@ -1,0 +1,103 @@
+"""Bearer API-key check for the router's gRPC front door.
+
+Only SHA-256 digests of the configured keys are kept. A presented key is hashed and
+compared with ``hmac.compare_digest`` against every configured digest, with no early
+exit, so neither the key's length nor which key matched shows in the timing. Reasons
+for a refusal never contain the presented or a configured key.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import hmac
+import os
+from pathlib import Path
+from typing import TYPE_CHECKING, Iterable, Mapping, Sequence
+
+if TYPE_CHECKING:  # pragma: no cover
+    from draftmesh.config import MeshConfig
+
+KEYS_FILE_ENV = "DRAFTMESH_API_KEYS_FILE"
+"""A file with one API key per line (e.g. a mounted Kubernetes Secret)."""
+
+MISSING = "missing authorization metadata"
+MALFORMED = "authorization must be 'Bearer <key>'"
+INVALID = "invalid API key"
+
+
+def _digest(key: str) -> bytes:
+    return hashlib.sha256(key.encode("utf-8")).digest()
+
+
+class ApiKeyAuth:
+    """Accepts requests whose ``authorization`` metadata is ``Bearer <one of the keys>``.
+
+    ``keys`` None or empty: auth is off and every request is allowed.
+    """
+
+    def __init__(self, keys: Sequence[str] | None) -> None:
+        digests = []
+        for i, key in enumerate(keys or ()):
+            if not isinstance(key, str) or not key.strip():
+                raise ValueError(f"API key #{i + 1} is empty or not a string")
+            key = key.strip()
+            # gRPC ASCII metadata is printable ASCII; a key a client cannot send is a config error.
+            if any(not 0x21 <= ord(ch) <= 0x7E for ch in key):
+                raise ValueError(f"API key #{i + 1} must be printable ASCII without whitespace")
+            digests.append(_digest(key))
+        self._digests: tuple[bytes, ...] = tuple(digests)
+
+    @property
+    def enabled(self) -> bool:
+        return bool(self._digests)
+
+    def __len__(self) -> int:
+        return len(self._digests)
+
+    def __repr__(self) -> str:
+        return f"ApiKeyAuth(enabled={self.enabled}, keys={len(self._digests)})"
+
+    @classmethod
+    def from_config(cls, cfg: "MeshConfig", env: Mapping[str, str] | None = None) -> "ApiKeyAuth":
+        """Keys from ``cfg.api_keys`` plus those in the file named by DRAFTMESH_API_KEYS_FILE.
+
+        The file holds one key per line; blank lines and lines starting with '#' are
+        skipped. A set but unreadable or keyless file is an error (auth never silently off).
+        """
+        env = os.environ if env is None else env
+        keys = list(cfg.api_keys or ())
+        path = env.get(KEYS_FILE_ENV)
+        if path:
+            try:
+                text = Path(path).read_text(encoding="utf-8")
+            except (OSError, UnicodeDecodeError) as exc:
+                raise ValueError(f"{KEYS_FILE_ENV}={path}: cannot read the key file ({type(exc).__name__})") from None
+            found = [ln.strip() for ln in text.splitlines() if ln.strip() and not ln.strip().startswith("#")]
+            if not found:
+                raise ValueError(f"{KEYS_FILE_ENV}={path}: the key file holds no keys")
+            keys += found
+        return cls(keys)
+
+    def check(self, metadata: Iterable[tuple[str, str | bytes]] | None) -> str | None:
+        """None when the request may proceed, else a short reason (never containing a key)."""
+        if not self._digests:
+            return None
+        values = [v for k, v in (metadata or ()) if isinstance(k, str) and k.lower() == "authorization"]
+        if not values:
+            return MISSING
+        if len(values) > 1:
+            return MALFORMED
+        value = values[0]
+        if isinstance(value, (bytes, bytearray)):
+            try:
+                value = bytes(value).decode("ascii")
+            except UnicodeDecodeError:
+                return MALFORMED
+        parts = value.split()
+        if len(parts) != 2 or parts[0].lower() != "bearer":
+            return MALFORMED
+        presented = _digest(parts[1])
+        ok = False
+        for digest in self._digests:  # every key, no early exit
+            ok |= hmac.compare_digest(digest, presented)
+        return None if ok else INVALID

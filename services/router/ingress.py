@@ -1,0 +1,136 @@
+"""The router: the Ray Serve ingress behind Serve's gRPC proxy (service draftmesh.v1.Generation).
+
+Per request it authenticates, validates every field, admits or refuses (a bounded number
+in flight, never an unbounded queue), then makes ONE streaming call to the verifier pool
+and relays its steps. A client that cancels or runs out of deadline cancels that call, and
+the verifier stops before its next step.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+from typing import AsyncIterator
+
+import grpc
+from ray import serve
+from ray.serve.grpc_util import RayServegRPCContext
+
+from draftmesh.config import MeshConfig
+from draftmesh.router.auth import ApiKeyAuth
+from draftmesh.router.responses import result_to_proto, step_to_proto
+from draftmesh.router.validation import InvalidRequest, RequestLimits, parse_request
+from draftmesh.v1 import generation_pb2 as pb
+from draftmesh.verify.decoder import GenerationResult, StepEvent
+from draftmesh.verify.messages import Rejected, ServeRequest
+from draftmesh.verify.policy import available_policies
+
+log = logging.getLogger(__name__)
+
+
+class RpcError(Exception):
+    """Ends an RPC with ``code``; Serve's proxy sends the code and details set on the context."""
+
+    def __init__(self, code: grpc.StatusCode, details: str) -> None:
+        super().__init__(code, details)  # both in args, so Ray can pickle it to the proxy
+        self.code = code
+        self.details = details
+
+    def __str__(self) -> str:
+        return f"{self.code.name}: {self.details}"
+
+
+def mesh_source_names(cfg: MeshConfig) -> list[str]:
+    from draftmesh.draft import registry
+
+    local = list(registry.DEFAULT_SOURCES if cfg.sources is None else cfg.sources)
+    return local + list(cfg.remote_sources or {})
+
+
+@serve.deployment(name="router", health_check_period_s=10)
+class Router:
+    def __init__(self, config: dict, verifier) -> None:
+        cfg = MeshConfig(**config)
+        self.cfg = cfg
+        self.verifier = verifier
+        self.limits = RequestLimits.from_config(cfg)
+        self.auth = ApiKeyAuth.from_config(cfg)
+        self.sources = mesh_source_names(cfg)
+        self.policies = available_policies()
+        self.in_flight = 0
+
+    # ------------------------------------------------------------------ RPCs
+    async def Generate(self, request: pb.GenerateRequest, grpc_context: RayServegRPCContext) -> AsyncIterator[pb.GenerateResponse]:
+        req = self._admit(request, grpc_context)
+        try:
+            step = 0
+            async for event in self._events(req, grpc_context):
+                if isinstance(event, StepEvent):
+                    step += 1
+                    yield step_to_proto(step, event)
+                else:
+                    yield pb.GenerateResponse(result=result_to_proto(event, req.request_id, event.replica))
+        finally:
+            self.in_flight -= 1
+
+    async def Complete(self, request: pb.GenerateRequest, grpc_context: RayServegRPCContext) -> pb.GenerateResult:
+        req = self._admit(request, grpc_context)
+        try:
+            async for event in self._events(req, grpc_context):
+                if isinstance(event, GenerationResult):
+                    return result_to_proto(event, req.request_id, event.replica)
+            raise self._fail(grpc_context, grpc.StatusCode.INTERNAL, "the verifier ended without a result")
+        finally:
+            self.in_flight -= 1
+
+    # ------------------------------------------------------------------ steps of a request
+    def _admit(self, request: pb.GenerateRequest, ctx: RayServegRPCContext) -> ServeRequest:
+        reason = self.auth.check(ctx.invocation_metadata())
+        if reason is not None:
+            raise self._fail(ctx, grpc.StatusCode.UNAUTHENTICATED, reason)
+        try:
+            req = parse_request(request, self.limits, sources=self.sources, policies=self.policies)
+        except InvalidRequest as exc:
+            raise self._fail(ctx, grpc.StatusCode.INVALID_ARGUMENT, str(exc))
+        if self.in_flight >= self.cfg.max_in_flight:
+            raise self._fail(ctx, grpc.StatusCode.RESOURCE_EXHAUSTED,
+                             f"server busy: {self.in_flight} requests in flight (limit {self.cfg.max_in_flight}); retry later")
+        self.in_flight += 1
+        return req
+
+    async def _events(self, req: ServeRequest, ctx: RayServegRPCContext):
+        """The verifier's events; a replica lost before its first event is retried once."""
+        for attempt in (1, 2):
+            handle = self.verifier.options(stream=True, multiplexed_model_id=req.session_id or "")
+            stream = handle.generate.remote(req)
+            started = False
+            try:
+                async for event in stream:
+                    if isinstance(event, Rejected):
+                        raise self._fail(ctx, grpc.StatusCode.INVALID_ARGUMENT, event.message)
+                    started = True
+                    yield event
+                return
+            except (RpcError, asyncio.CancelledError, GeneratorExit):
+                raise
+            except Exception as exc:  # a replica died or failed: say so, never hang
+                if not started and attempt == 1 and _is_replica_loss(exc):
+                    log.warning("verifier replica lost before request %s started; retrying: %r", req.request_id, exc)
+                    continue
+                log.error("request %s failed in the verifier: %r", req.request_id, exc)
+                raise self._fail(ctx, grpc.StatusCode.UNAVAILABLE if _is_replica_loss(exc) else grpc.StatusCode.INTERNAL,
+                                 f"verifier failed: {type(exc).__name__}: {str(exc)[:300]}")
+            finally:
+                stream.cancel()
+
+    @staticmethod
+    def _fail(ctx: RayServegRPCContext, code: grpc.StatusCode, details: str) -> RpcError:
+        ctx.set_code(code)
+        ctx.set_details(details)
+        return RpcError(code, details)
+
+
+def _is_replica_loss(exc: BaseException) -> bool:
+    from ray.exceptions import ActorDiedError, ActorUnavailableError, RayActorError
+
+    return isinstance(exc, (RayActorError, ActorDiedError, ActorUnavailableError)) or "ActorDied" in type(exc).__name__

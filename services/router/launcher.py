@@ -1,0 +1,99 @@
+"""Start and stop the whole mesh: Redis, Ray, Serve's gRPC proxy, the app, the TLS gateway.
+
+``draftmesh serve`` and the service tests both go through ``start_mesh`` so that what the
+tests exercise is what users run.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import logging
+import os
+import socket
+import time
+from dataclasses import dataclass, field
+from typing import Any, Callable
+
+from draftmesh.config import MeshConfig
+from draftmesh.router.app import APP_NAME, GRPC_SERVICER_FUNCTIONS, build_app
+
+log = logging.getLogger(__name__)
+
+
+def _free_port() -> int:
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+@dataclass
+class RunningMesh:
+    config: MeshConfig
+    address: str
+    """Where clients connect (host:port)."""
+    started_s: float
+    """Seconds from start_mesh() to the app answering."""
+    _cleanup: list[Callable[[], Any]] = field(default_factory=list, repr=False)
+
+    def stop(self) -> None:
+        """Tear down in reverse order; each part is stopped even if another fails."""
+        while self._cleanup:
+            step = self._cleanup.pop()
+            try:
+                step()
+            except Exception:
+                log.exception("error while stopping the mesh")
+
+
+def start_mesh(cfg: MeshConfig, *, ray_init: dict[str, Any] | None = None) -> RunningMesh:
+    import ray
+    from ray import serve
+    from ray.serve.config import gRPCOptions
+
+    t0 = time.perf_counter()
+    running = RunningMesh(cfg, address="", started_s=0.0)
+    try:
+        os.environ.setdefault("RAY_USAGE_STATS_ENABLED", "0")
+        os.environ.setdefault("HF_HUB_OFFLINE", "1")
+        redis_url = cfg.redis_url or os.environ.get("REDIS_URL")
+        if not redis_url:
+            from draftmesh.redis_server import EmbeddedRedis
+
+            redis = EmbeddedRedis().start()
+            running._cleanup.append(redis.stop)
+            redis_url = redis.url
+            log.info("embedded redis-server at %s", redis_url)
+        cfg = dataclasses.replace(cfg, redis_url=redis_url)
+        running.config = cfg
+
+        if not ray.is_initialized():
+            if cfg.address is None:
+                # A private single-machine cluster: no token auth to configure, no dashboard.
+                os.environ.setdefault("RAY_AUTH_MODE", "disabled")
+            ray.init(address=cfg.address or "local", include_dashboard=False, log_to_driver=True,
+                     **(ray_init or {}))
+            running._cleanup.append(ray.shutdown)
+
+        tls = cfg.tls_cert is not None
+        proxy_port = _free_port() if tls else cfg.grpc_port
+        serve.start(
+            grpc_options=gRPCOptions(port=proxy_port, grpc_servicer_functions=GRPC_SERVICER_FUNCTIONS),
+            http_options={"host": "127.0.0.1", "port": _free_port()},
+        )
+        running._cleanup.append(serve.shutdown)
+        serve.run(build_app(cfg), name=APP_NAME, route_prefix="/", blocking=False)
+        running._cleanup.append(lambda: serve.delete(APP_NAME))
+        address = f"localhost:{proxy_port}"
+        if tls:
+            from draftmesh.router.tls_gateway import TlsGateway, load_tls_files
+
+            cert, key = load_tls_files(cfg.tls_cert, cfg.tls_key)
+            gateway = TlsGateway(f"127.0.0.1:{proxy_port}", cfg.grpc_port, cert, key).run_in_thread()
+            running._cleanup.append(gateway.stop)
+            address = f"localhost:{cfg.grpc_port}"
+        running.address = address
+        running.started_s = time.perf_counter() - t0
+        return running
+    except BaseException:
+        running.stop()
+        raise

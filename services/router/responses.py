@@ -1,0 +1,58 @@
+"""The proto side of results: a decode step as a ``GenerateDelta``, the end as a ``GenerateResult``."""
+
+from __future__ import annotations
+
+from draftmesh.v1 import generation_pb2
+from draftmesh.verify.decoder import GenerationResult, StepEvent
+
+
+def step_to_proto(step_index: int, event: StepEvent) -> generation_pb2.GenerateResponse:
+    """One streamed delta: the step's text and tokens with its StepStats."""
+    rec = event.record
+    stats = generation_pb2.StepStats(
+        step=step_index,
+        tree_nodes=rec.tree_size,
+        accepted=rec.accepted,
+        emitted=rec.emitted,
+        draft_ms=rec.draft_s * 1000.0,
+        verify_ms=rec.verify_s * 1000.0,
+        accepted_by_source={name: int(n) for name, n in rec.accepted_by_source.items()},
+        failed_sources=list(rec.failed_sources),
+    )
+    delta = generation_pb2.GenerateDelta(text=event.text, token_ids=list(event.token_ids), stats=stats)
+    return generation_pb2.GenerateResponse(delta=delta)
+
+
+def result_to_proto(result: GenerationResult, request_id: str, replica: str) -> generation_pb2.GenerateResult:
+    """The final result: text, usage, per-source stats (sorted by name) and the policy verdict."""
+    usage = generation_pb2.Usage(
+        prompt_tokens=result.prompt_tokens,
+        completion_tokens=len(result.token_ids),
+        cached_prompt_tokens=int(getattr(result, "reused_tokens", 0) or 0),
+        steps=len(result.steps),
+    )
+    sources = [
+        generation_pb2.SourceStats(
+            source=name,
+            nodes=int(stats.get("nodes", 0)),
+            accepted_tokens=int(stats.get("accepted", 0)),
+            acceptance=float(stats.get("acceptance", 0.0)),
+            failed_steps=int(stats.get("failed_steps", 0)),
+        )
+        for name, stats in sorted(result.source_stats().items())
+    ]
+    return generation_pb2.GenerateResult(
+        request_id=request_id,
+        text=result.text,
+        token_ids=list(result.token_ids),
+        finish_reason=result.finish_reason,
+        usage=usage,
+        sources=sources,
+        mean_accepted_per_step=result.mean_accepted_per_step,
+        policy=result.policy,
+        lossless=result.lossless,
+        lenient_tokens=result.lenient_tokens,
+        seconds=result.seconds,
+        first_token_ms=result.first_token_s * 1000.0,
+        replica=replica,
+    )

@@ -1,0 +1,340 @@
+"""Syntactic validation of a public ``GenerateRequest`` into the router's ``ServeRequest``.
+
+Every field is checked here, before anything is admitted or sent to a verifier replica.
+A bad field is an ``InvalidRequest`` naming the proto field path ("stop[1]",
+"speculation.max_nodes", "messages[0].role") and the rule it breaks; the gRPC front door
+turns it into INVALID_ARGUMENT. What only the model knows (token counts against the
+context, a policy's parameter ranges) is left to the verifier, which answers ``Rejected``.
+"""
+
+from __future__ import annotations
+
+import math
+import re
+import uuid
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any, Sequence
+
+from draftmesh.verify.messages import ServeRequest
+from draftmesh.verify.tree import MAX_TREE_NODES
+
+if TYPE_CHECKING:  # pragma: no cover
+    from draftmesh.config import MeshConfig
+    from draftmesh.v1 import generation_pb2
+
+ROLES = ("system", "user", "assistant")
+MAX_ID_CHARS = 128
+"""request_id, session_id and document ids."""
+MAX_STOP_BYTES = 256
+MAX_TEMPERATURE = 100.0
+MAX_TOP_K = 1_000_000
+MAX_SOURCE_CAP = 256
+MAX_POLICY_PARAMS = 16
+MAX_POLICY_KEY_CHARS = 64
+MAX_POLICY_VALUE_CHARS = 256
+
+_INT = re.compile(r"[+-]?\d+", re.ASCII)
+_FLOAT = re.compile(r"[+-]?(?:\d+\.?\d*|\.\d+)(?:[eE][+-]?\d+)?", re.ASCII)
+
+
+class InvalidRequest(ValueError):
+    """A request field breaks a rule; ``str()`` reads ``"<field>: <rule>"``."""
+
+    def __init__(self, field: str, rule: str) -> None:
+        super().__init__(f"{field}: {rule}")
+        self.field = field
+        self.rule = rule
+
+
+@dataclass(frozen=True)
+class RequestLimits:
+    max_prompt_bytes: int
+    max_documents: int
+    max_document_bytes: int
+    max_stop_strings: int
+    default_max_new_tokens: int
+    max_new_tokens_cap: int = 8192
+    max_messages: int = 1024
+
+    def __post_init__(self) -> None:
+        for name in ("max_prompt_bytes", "max_document_bytes", "default_max_new_tokens",
+                     "max_new_tokens_cap", "max_messages"):
+            if getattr(self, name) < 1:
+                raise ValueError(f"{name} must be >= 1, got {getattr(self, name)}")
+        for name in ("max_documents", "max_stop_strings"):
+            if getattr(self, name) < 0:
+                raise ValueError(f"{name} must be >= 0, got {getattr(self, name)}")
+        if self.default_max_new_tokens > self.max_new_tokens_cap:
+            raise ValueError(
+                f"default_max_new_tokens ({self.default_max_new_tokens}) exceeds "
+                f"max_new_tokens_cap ({self.max_new_tokens_cap})"
+            )
+
+    @classmethod
+    def from_config(cls, cfg: "MeshConfig") -> "RequestLimits":
+        return cls(
+            max_prompt_bytes=cfg.max_prompt_bytes,
+            max_documents=cfg.max_documents,
+            max_document_bytes=cfg.max_document_bytes,
+            max_stop_strings=cfg.max_stop_strings,
+            default_max_new_tokens=cfg.default_max_new_tokens,
+            max_new_tokens_cap=max(8192, cfg.default_max_new_tokens),
+        )
+
+
+def parse_request(
+    req: "generation_pb2.GenerateRequest",
+    limits: RequestLimits,
+    *,
+    sources: Sequence[str],
+    policies: Sequence[str],
+    request_id: str | None = None,
+) -> ServeRequest:
+    """Check every field of ``req``; return the ServeRequest a verifier replica runs.
+
+    ``sources`` are the draft sources this mesh serves, ``policies`` the acceptance
+    policies it knows. ``request_id`` is the server's id for the request (e.g. from
+    metadata), used when the client left ``req.request_id`` empty; a uuid4 hex otherwise.
+    """
+    prompt, messages = _prompt(req, limits)
+    spec = _speculation(req, sources, policies)
+    return ServeRequest(
+        request_id=_request_id(req.request_id, request_id),
+        prompt=prompt,
+        messages=messages,
+        max_new_tokens=_max_new_tokens(req, limits),
+        temperature=_temperature(req),
+        top_p=_top_p(req),
+        top_k=_top_k(req),
+        seed=req.seed if req.HasField("seed") else None,
+        stop=_stop(req, limits),
+        session_id=_ident("session_id", req.session_id) or None,
+        documents=_documents(req, limits),
+        **spec,
+    )
+
+
+# ---------------------------------------------------------------------- prompt
+def _utf8_len(field: str, text: str) -> int:
+    try:
+        return len(text.encode("utf-8"))
+    except UnicodeEncodeError as exc:  # lone surrogates set from Python
+        raise InvalidRequest(field, f"not valid text (unencodable character at offset {exc.start})") from None
+
+
+def _prompt(req, limits: RequestLimits) -> tuple[str | None, tuple[tuple[str, str], ...] | None]:
+    if req.prompt and len(req.messages):
+        raise InvalidRequest("prompt", "prompt and messages are both set; give exactly one")
+    if not req.prompt and not len(req.messages):
+        raise InvalidRequest("prompt", "give prompt or messages")
+    if req.prompt:
+        if not req.prompt.strip():
+            raise InvalidRequest("prompt", "must not be empty or whitespace only")
+        size = _utf8_len("prompt", req.prompt)
+        if size > limits.max_prompt_bytes:
+            raise InvalidRequest("prompt", f"{size} UTF-8 bytes exceeds the limit of {limits.max_prompt_bytes}")
+        return req.prompt, None
+
+    if len(req.messages) > limits.max_messages:
+        raise InvalidRequest("messages", f"at most {limits.max_messages} messages, got {len(req.messages)}")
+    turns: list[tuple[str, str]] = []
+    size = 0
+    last_user = None
+    for i, msg in enumerate(req.messages):
+        if msg.role not in ROLES:
+            raise InvalidRequest(f"messages[{i}].role", f"must be one of {', '.join(ROLES)}, got {msg.role!r}")
+        size += _utf8_len(f"messages[{i}].content", msg.content)
+        if msg.role == "user":
+            last_user = i
+        turns.append((msg.role, msg.content))
+    if last_user is None:
+        raise InvalidRequest("messages", "need at least one user message")
+    if not turns[last_user][1].strip():
+        raise InvalidRequest(f"messages[{last_user}].content", "the last user message must not be empty")
+    if size > limits.max_prompt_bytes:
+        raise InvalidRequest("messages", f"{size} UTF-8 bytes in all exceeds the limit of {limits.max_prompt_bytes}")
+    return None, tuple(turns)
+
+
+# ---------------------------------------------------------------------- sampling
+def _max_new_tokens(req, limits: RequestLimits) -> int:
+    if not req.HasField("max_new_tokens"):
+        return limits.default_max_new_tokens
+    n = req.max_new_tokens
+    if not 1 <= n <= limits.max_new_tokens_cap:
+        raise InvalidRequest("max_new_tokens", f"must be in [1, {limits.max_new_tokens_cap}], got {n}")
+    return n
+
+
+def _float32(value: float) -> float:
+    """The shortest decimal of a proto float (0.7f reads as 0.7, not 0.699999988079071)."""
+    import numpy as np
+
+    return float(str(np.float32(value)))
+
+
+def _temperature(req) -> float:
+    if not req.HasField("temperature"):
+        return 0.0
+    t = req.temperature
+    if not math.isfinite(t) or not 0.0 <= t <= MAX_TEMPERATURE:
+        raise InvalidRequest("temperature", f"must be a finite number in [0, {MAX_TEMPERATURE:g}], got {t}")
+    return _float32(t)
+
+
+def _top_p(req) -> float:
+    if not req.HasField("top_p"):
+        return 1.0
+    p = req.top_p
+    if not math.isfinite(p) or not 0.0 < p <= 1.0:
+        raise InvalidRequest("top_p", f"must be in (0, 1], got {p}")
+    return _float32(p)
+
+
+def _top_k(req) -> int:
+    if not req.HasField("top_k"):
+        return 0
+    k = req.top_k
+    if not 0 <= k <= MAX_TOP_K:
+        raise InvalidRequest("top_k", f"must be in [0, {MAX_TOP_K}] (0 = off), got {k}")
+    return k
+
+
+# ---------------------------------------------------------------------- text fields
+def _stop(req, limits: RequestLimits) -> tuple[str, ...]:
+    if len(req.stop) > limits.max_stop_strings:
+        raise InvalidRequest("stop", f"at most {limits.max_stop_strings} stop strings, got {len(req.stop)}")
+    out = []
+    for i, raw in enumerate(req.stop):
+        field = f"stop[{i}]"
+        if not raw:
+            raise InvalidRequest(field, "must not be empty")
+        if len(raw) > MAX_STOP_BYTES:
+            raise InvalidRequest(field, f"{len(raw)} bytes exceeds the limit of {MAX_STOP_BYTES}")
+        try:
+            out.append(bytes(raw).decode("utf-8"))
+        except UnicodeDecodeError as exc:
+            raise InvalidRequest(
+                field, f"not valid UTF-8 (byte 0x{raw[exc.start]:02x} at offset {exc.start})"
+            ) from None
+    return tuple(out)
+
+
+def _documents(req, limits: RequestLimits) -> tuple[str, ...]:
+    if len(req.documents) > limits.max_documents:
+        raise InvalidRequest("documents", f"at most {limits.max_documents} documents, got {len(req.documents)}")
+    out = []
+    for i, doc in enumerate(req.documents):
+        _ident(f"documents[{i}].id", doc.id)
+        field = f"documents[{i}].text"
+        if not doc.text.strip():
+            raise InvalidRequest(field, "must not be empty")
+        size = _utf8_len(field, doc.text)
+        if size > limits.max_document_bytes:
+            raise InvalidRequest(field, f"{size} UTF-8 bytes exceeds the limit of {limits.max_document_bytes}")
+        if "\x00" in doc.text:
+            raise InvalidRequest(field, f"not valid text (NUL character at offset {doc.text.index(chr(0))})")
+        out.append(doc.text)
+    return tuple(out)
+
+
+def _ident(field: str, value: str) -> str:
+    """An id: at most MAX_ID_CHARS printable characters (may be empty)."""
+    if len(value) > MAX_ID_CHARS:
+        raise InvalidRequest(field, f"at most {MAX_ID_CHARS} characters, got {len(value)}")
+    for pos, ch in enumerate(value):
+        if not ch.isprintable():
+            raise InvalidRequest(field, f"must be printable (character U+{ord(ch):04X} at offset {pos})")
+    return value
+
+
+def _request_id(client: str, server: str | None) -> str:
+    if client:
+        return _ident("request_id", client)
+    if server:
+        return _ident("request_id", server)
+    return uuid.uuid4().hex
+
+
+# ---------------------------------------------------------------------- speculation
+def _speculation(req, sources: Sequence[str], policies: Sequence[str]) -> dict[str, Any]:
+    spec = req.speculation
+    known = list(sources)
+    available = ", ".join(known) or "none"
+
+    chosen: tuple[str, ...] | None = None
+    if len(spec.sources):
+        seen: set[str] = set()
+        for i, name in enumerate(spec.sources):
+            field = f"speculation.sources[{i}]"
+            if name not in known:
+                raise InvalidRequest(field, f"unknown draft source {name!r}; this mesh serves: {available}")
+            if name in seen:
+                raise InvalidRequest(field, f"draft source {name!r} is listed twice")
+            seen.add(name)
+        chosen = tuple(spec.sources)
+
+    caps: dict[str, int] = {}
+    for name in sorted(spec.source_caps):
+        field = f"speculation.source_caps[{name}]"
+        if name not in known:
+            raise InvalidRequest(field, f"unknown draft source {name!r}; this mesh serves: {available}")
+        cap = spec.source_caps[name]
+        if not 0 <= cap <= MAX_SOURCE_CAP:
+            raise InvalidRequest(field, f"must be in [0, {MAX_SOURCE_CAP}], got {cap}")
+        caps[name] = cap
+
+    max_nodes = None
+    if spec.HasField("max_nodes"):
+        max_nodes = spec.max_nodes
+        if not 0 <= max_nodes <= MAX_TREE_NODES:
+            raise InvalidRequest("speculation.max_nodes", f"must be in [0, {MAX_TREE_NODES}], got {max_nodes}")
+
+    policy = spec.policy or "exact"
+    if policy != "exact" and policy not in policies:
+        raise InvalidRequest(
+            "speculation.policy", f"unknown acceptance policy {policy!r}; available: {', '.join(policies) or 'none'}"
+        )
+    params = _policy_params(spec.policy_params)
+    if params and policy == "exact":
+        raise InvalidRequest("speculation.policy_params", "the exact policy takes no parameters")
+
+    return dict(
+        speculate=spec.enabled if spec.HasField("enabled") else True,
+        sources=chosen,
+        source_caps=caps,
+        max_nodes=max_nodes,
+        policy=policy,
+        policy_params=params,
+    )
+
+
+def _policy_params(raw) -> dict[str, Any]:
+    if len(raw) > MAX_POLICY_PARAMS:
+        raise InvalidRequest("speculation.policy_params", f"at most {MAX_POLICY_PARAMS} parameters, got {len(raw)}")
+    out: dict[str, Any] = {}
+    for key in sorted(raw):
+        if not key:
+            raise InvalidRequest("speculation.policy_params", "parameter names must not be empty")
+        field = f"speculation.policy_params[{key}]"
+        if len(key) > MAX_POLICY_KEY_CHARS or not key.isprintable():
+            raise InvalidRequest(field, f"parameter names are at most {MAX_POLICY_KEY_CHARS} printable characters")
+        value = raw[key]
+        if len(value) > MAX_POLICY_VALUE_CHARS:
+            raise InvalidRequest(field, f"value has {len(value)} characters; the limit is {MAX_POLICY_VALUE_CHARS}")
+        out[key] = _param_value(field, value)
+    return out
+
+
+def _param_value(field: str, text: str) -> Any:
+    s = text.strip()
+    if _INT.fullmatch(s):
+        return int(s)
+    if _FLOAT.fullmatch(s):
+        value = float(s)
+        if not math.isfinite(value):
+            raise InvalidRequest(field, f"number out of range: {s}")
+        return value
+    if s.lower() in ("true", "false"):
+        return s.lower() == "true"
+    return text

@@ -1,0 +1,88 @@
+"""The verifier pool: a Ray Serve deployment whose replicas each hold the target model.
+
+A replica runs the whole speculation loop of its requests (``VerifierReplica``) with the
+cheap sources in-process, so a step never crosses the network for them; remote sources
+(draft deployments, external gRPC sources) are asked under the step deadline. Requests of
+one session are routed to the replica holding its KV cache through Serve's multiplexing
+(the session id is the "model id"); elsewhere they are recomputed from their token ids.
+
+The decoder is built by a function the app passes in, so this package never imports the
+router that owns the tree builder.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import socket
+from typing import Any, AsyncIterator, Callable, Mapping
+
+from ray import serve
+
+from draftmesh.config import MeshConfig
+from draftmesh.draft.base import DraftSource
+from draftmesh.verify.backend import TorchTarget
+from draftmesh.verify.decoder import SpeculativeDecoder
+from draftmesh.verify.messages import ServeRequest
+from draftmesh.verify.replica import VerifierReplica
+from draftmesh.verify.session_kv import SessionKVPool
+
+log = logging.getLogger(__name__)
+
+DecoderFactory = Callable[..., SpeculativeDecoder]
+"""(target, cfg, *, extra_sources, kv_pool) -> decoder; router.engine.decoder_from_config."""
+
+
+def remote_sources(cfg: MeshConfig, handles: Mapping[str, Any], tokenizer_name: str) -> list[DraftSource]:
+    """Sources outside this replica: Serve draft deployments by handle, external gRPC by address."""
+    from draftmesh.draft.grpc_source import GrpcDraftSource
+    from draftmesh.draft.remote import ServeHandleSource
+
+    deadline = cfg.source_deadline_s or 1.0
+    out: list[DraftSource] = []
+    for name, spec in (cfg.remote_sources or {}).items():
+        timeout = spec.get("timeout_ms", 1000 * deadline) / 1000
+        if "address" in spec:
+            out.append(GrpcDraftSource.from_spec(name, spec, tokenizer_name=tokenizer_name, default_timeout_s=timeout))
+        else:
+            out.append(ServeHandleSource(name, handles[name], tokenizer_name=tokenizer_name, timeout_s=max(timeout, 1.0)))
+    return out
+
+
+class _Session:
+    """What Serve's multiplexing "loads" per session: nothing but the routing affinity."""
+
+    def __init__(self, session_id: str) -> None:
+        self.session_id = session_id
+
+
+@serve.deployment(name="verifier", health_check_period_s=10, graceful_shutdown_timeout_s=5)
+class VerifierPool:
+    def __init__(self, config: dict, draft_handles: Mapping[str, Any], make_decoder: DecoderFactory) -> None:
+        cfg = MeshConfig(**config)
+        cfg.apply_threads()
+        target = TorchTarget.load(cfg.model, device=cfg.device, dtype=cfg.torch_dtype())
+        pool = SessionKVPool(max_sessions=max(1, cfg.session_cache_size)) if cfg.session_cache_size else None
+        extra = remote_sources(cfg, draft_handles, cfg.model)
+        decoder = make_decoder(target, cfg, extra_sources=extra, kv_pool=pool)
+        context = serve.get_replica_context()
+        name = f"{socket.gethostname()}/{context.replica_id.unique_id if context else os.getpid()}"
+        self.replica = VerifierReplica(decoder, name=name)
+        self.sources = [s.name for s in decoder.sources]
+        log.info("verifier replica %s ready: model %s, sources %s", name, cfg.model, ", ".join(self.sources))
+
+    @serve.multiplexed(max_num_models_per_replica=1024)
+    async def _session(self, session_id: str) -> _Session:
+        return _Session(session_id)
+
+    async def generate(self, request: ServeRequest) -> AsyncIterator[Any]:
+        if request.session_id:
+            await self._session(serve.get_multiplexed_model_id() or request.session_id)
+        async for event in self.replica.run(request):
+            yield event
+
+    async def stats(self) -> dict:
+        return self.replica.stats()
+
+    async def source_names(self) -> list[str]:
+        return self.sources

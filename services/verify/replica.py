@@ -1,0 +1,144 @@
+"""What one verifier replica does with its requests, without Ray.
+
+Each request's decode loop runs on its own thread so the replica's event loop stays free
+to stream results and notice cancellations; a replica-wide lock lets exactly one step
+(draft + one tree forward) run at a time, so concurrent requests interleave step by step
+instead of fighting over the CPU/GPU. A cancelled request (client gone, deadline passed)
+stops before its next step, i.e. it stops using the target within one step.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import threading
+from dataclasses import dataclass, field
+from typing import AsyncIterator
+
+from draftmesh.prompts import encode_messages, encode_prompt
+from draftmesh.verify.decoder import GenerationRequest, GenerationResult, SpeculativeDecoder, StepEvent
+from draftmesh.verify.messages import Rejected, ServeRequest
+from draftmesh.verify.sampling import SamplingParams
+
+log = logging.getLogger(__name__)
+
+_DONE = object()
+
+
+@dataclass
+class ReplicaStats:
+    active: int = 0
+    served: int = 0
+    rejected: int = 0
+    cancelled: int = 0
+    failed: int = 0
+    steps: int = 0
+    tokens: int = 0
+    extra: dict = field(default_factory=dict)
+
+
+class VerifierReplica:
+    def __init__(self, decoder: SpeculativeDecoder, name: str = "verifier") -> None:
+        self.decoder = decoder
+        self.name = name
+        self._step_lock = threading.Lock()
+        self._stats = ReplicaStats()
+        self._stats_lock = threading.Lock()
+
+    # ------------------------------------------------------------------ requests
+    def to_generation_request(self, req: ServeRequest) -> GenerationRequest:
+        """Tokenize and build the decoder's request; ValueError says what is wrong."""
+        tokenizer = self.decoder.target.tokenizer
+        if req.messages is not None:
+            ids = encode_messages(tokenizer, [{"role": r, "content": c} for r, c in req.messages])
+        else:
+            ids = encode_prompt(tokenizer, req.prompt or "")
+        return GenerationRequest(
+            prompt_ids=tuple(ids),
+            max_new_tokens=req.max_new_tokens,
+            sampling=SamplingParams(req.temperature, req.top_p, req.top_k, req.seed),
+            stop=tuple(req.stop),
+            speculate=req.speculate,
+            request_id=req.request_id,
+            session_id=req.session_id,
+            documents=tuple(req.documents),
+            policy=req.policy,
+            policy_params=dict(req.policy_params),
+            sources=req.sources,
+            source_caps=dict(req.source_caps),
+            max_nodes=req.max_nodes,
+        )
+
+    async def run(self, req: ServeRequest) -> AsyncIterator[StepEvent | GenerationResult | Rejected]:
+        """Yield ``Rejected`` (bad request), or a StepEvent per step and then the result."""
+        try:
+            gen_req = self.to_generation_request(req)
+            self.decoder.validate(gen_req)
+        except ValueError as exc:
+            self._count(rejected=1)
+            yield Rejected(str(exc))
+            return
+        loop = asyncio.get_running_loop()
+        queue: asyncio.Queue = asyncio.Queue()
+        cancel = threading.Event()
+
+        def post(item) -> None:
+            try:
+                loop.call_soon_threadsafe(queue.put_nowait, item)
+            except RuntimeError:  # the loop is gone: nobody is listening any more
+                cancel.set()
+
+        def work() -> None:
+            events = self.decoder.stream(gen_req)
+            try:
+                while not cancel.is_set():
+                    with self._step_lock:
+                        if cancel.is_set():
+                            break
+                        try:
+                            event = next(events)
+                        except StopIteration:
+                            break
+                    post(event)
+            except BaseException as exc:  # reported to the awaiting coroutine, never lost
+                post(exc)
+            finally:
+                events.close()
+                post(_DONE)
+
+        self._count(active=1)
+        thread = threading.Thread(target=work, name=f"decode-{req.request_id[:8]}", daemon=True)
+        thread.start()
+        outcome = "cancelled"
+        try:
+            while True:
+                item = await queue.get()
+                if item is _DONE:
+                    break
+                if isinstance(item, BaseException):
+                    outcome = "failed"
+                    raise item
+                if isinstance(item, StepEvent):
+                    self._count(steps=1, tokens=len(item.token_ids))
+                else:
+                    outcome = "served"
+                    item.replica = self.name
+                yield item
+        finally:
+            cancel.set()
+            self._count(active=-1, **{outcome: 1})
+
+    # ------------------------------------------------------------------ introspection
+    def _count(self, **deltas: int) -> None:
+        with self._stats_lock:
+            for key, value in deltas.items():
+                setattr(self._stats, key, getattr(self._stats, key) + value)
+
+    def stats(self) -> dict:
+        with self._stats_lock:
+            out = {k: v for k, v in vars(self._stats).items() if k != "extra"}
+        pool = getattr(self.decoder, "kv_pool", None)
+        if pool is not None:
+            out["kv_pool"] = pool.stats()
+        out["replica"] = self.name
+        return out

@@ -1,0 +1,338 @@
+"""The served mesh end to end: real Ray Serve, real gRPC, real Redis, real SmolLM2 on CPU.
+
+One session-scoped mesh serves every test here (starting it costs ~15 s). It runs the
+default in-process sources plus four remote ones: two Serve draft deployments that raise
+or hang, an external gRPC DraftSource served by this test process, and an external
+address where nothing listens. Outputs are compared with the in-process engine.
+"""
+
+from __future__ import annotations
+
+import os
+import socket
+import threading
+import time
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
+
+import grpc
+import pytest
+
+from draftmesh.config import MeshConfig
+from draftmesh.v1 import generation_pb2 as pb
+from draftmesh.v1 import generation_pb2_grpc as pb_grpc
+
+pytestmark = pytest.mark.slow
+
+API_KEY = "test-key-0123456789"
+TESTS_DIR = Path(__file__).resolve().parents[1]
+COPY_PROMPT = (
+    "Copy this sentence exactly, then stop: The quick brown fox jumps over the lazy dog "
+    "while the cat sleeps on the warm windowsill."
+)
+
+
+def _closed_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+@pytest.fixture(scope="session")
+def external_source():
+    """A DraftSource gRPC server in this process: prompt lookup over the target tokenizer."""
+    from draftmesh.draft import registry
+    from draftmesh.draft.grpc_server import serve_source
+
+    server, port = serve_source(registry.create("prompt_lookup"), 0)
+    yield f"127.0.0.1:{port}"
+    server.stop(0)
+
+
+@pytest.fixture(scope="session")
+def mesh(external_source):
+    from draftmesh.router.launcher import start_mesh
+
+    os.environ["PYTHONPATH"] = os.pathsep.join(filter(None, [str(TESTS_DIR), os.environ.get("PYTHONPATH")]))
+    small = {"num_cpus": 0.1}
+    cfg = MeshConfig(
+        threads=2,
+        grpc_port=_closed_port(),
+        verifier_num_cpus=0.5,
+        max_in_flight=8,
+        api_keys=[API_KEY],
+        remote_sources={
+            "boom": {"factory": "mesh_sources:raising", "deployment": small},
+            "stuck": {"factory": "mesh_sources:hanging", "deployment": small},
+            "extern": {"address": external_source, "token_ids": True},
+            "down": {"address": f"127.0.0.1:{_closed_port()}"},
+        },
+    )
+    running = start_mesh(cfg, ray_init={"num_cpus": 4})
+    print(f"mesh started in {running.started_s:.1f}s at {running.address}")
+    yield running
+    running.stop()
+
+
+@pytest.fixture(scope="session")
+def channel(mesh):
+    with grpc.insecure_channel(mesh.address) as ch:
+        yield ch
+
+
+@pytest.fixture(scope="session")
+def stub(channel):
+    return pb_grpc.GenerationStub(channel)
+
+
+AUTH = (("authorization", f"Bearer {API_KEY}"),)
+
+
+@pytest.fixture(scope="session")
+def engine(mesh):
+    """The in-process engine with the mesh's in-process sources."""
+    from draftmesh.config import EngineConfig
+    from draftmesh.router.engine import decoder_from_config, load_target
+
+    cfg = EngineConfig(threads=2)
+    return decoder_from_config(load_target(cfg), cfg)
+
+
+def chat(text: str, max_new_tokens: int = 40, **kw) -> pb.GenerateRequest:
+    return pb.GenerateRequest(messages=[pb.ChatMessage(role="user", content=text)], max_new_tokens=max_new_tokens, **kw)
+
+
+def in_process(engine, text: str, max_new_tokens: int):
+    from draftmesh.prompts import encode_messages
+    from draftmesh.verify.decoder import GenerationRequest
+
+    ids = encode_messages(engine.target.tokenizer, [{"role": "user", "content": text}])
+    return engine.generate(GenerationRequest(tuple(ids), max_new_tokens=max_new_tokens))
+
+
+def verifier_stats() -> dict:
+    from ray import serve
+
+    return serve.get_deployment_handle("verifier", app_name="draftmesh").stats.remote().result(timeout_s=10)
+
+
+def wait_idle(timeout_s: float = 5.0) -> dict:
+    deadline = time.monotonic() + timeout_s
+    while True:
+        stats = verifier_stats()
+        if stats["active"] == 0 or time.monotonic() > deadline:
+            return stats
+        time.sleep(0.1)
+
+
+# ---------------------------------------------------------------------------- outputs
+def test_complete_and_generate_equal_the_in_process_engine(stub, engine):
+    want = in_process(engine, COPY_PROMPT, 40)
+    got = stub.Complete(chat(COPY_PROMPT, 40), metadata=AUTH, timeout=120)
+    assert list(got.token_ids) == want.token_ids
+    assert got.text == want.text
+    assert got.lossless and got.policy == "exact"
+    assert got.usage.completion_tokens == len(want.token_ids)
+    assert got.usage.prompt_tokens == want.prompt_tokens
+
+    events = list(stub.Generate(chat(COPY_PROMPT, 40), metadata=AUTH, timeout=120))
+    deltas = [e.delta for e in events if e.HasField("delta")]
+    results = [e.result for e in events if e.HasField("result")]
+    assert len(results) == 1 and events[-1].HasField("result")
+    final = results[0]
+    assert "".join(d.text for d in deltas) == final.text == want.text
+    assert [t for d in deltas for t in d.token_ids] == list(final.token_ids) == want.token_ids
+    assert len(deltas) == final.usage.steps
+    assert [d.stats.step for d in deltas] == list(range(1, len(deltas) + 1))
+    assert final.mean_accepted_per_step == pytest.approx(len(final.token_ids) / final.usage.steps)
+
+
+def test_faulty_sources_degrade_not_kill(stub, engine):
+    """Raising and hanging draft deployments, a dead external address: same output, counted failed."""
+    prompt = COPY_PROMPT.replace("fox", "wolf")  # not in the answer store yet
+    want = in_process(engine, prompt, 32)
+    got = stub.Complete(chat(prompt, 32), metadata=AUTH, timeout=120)
+    assert list(got.token_ids) == want.token_ids
+    stats = {s.source: s for s in got.sources}
+    assert {"boom", "stuck", "down", "extern"} <= set(stats), got.sources
+    for name in ("boom", "stuck", "down"):
+        assert stats[name].failed_steps >= 1, (name, stats.get(name))
+        assert stats[name].accepted_tokens == 0
+    # The working external source is one more branch of the tree and gets tokens accepted.
+    assert stats["extern"].failed_steps == 0
+    assert stats["extern"].accepted_tokens > 0
+
+
+def test_seeded_plain_sampling_through_the_mesh_matches_in_process(stub, engine):
+    """A seed fixes the sample given the drafts; with speculation off it is fully reproducible."""
+    from draftmesh.prompts import encode_messages
+    from draftmesh.verify.decoder import GenerationRequest
+    from draftmesh.verify.sampling import SamplingParams
+
+    text = "Write a short poem about rivers."
+    req = chat(text, 24, temperature=0.8, top_p=0.95, seed=7, speculation=pb.Speculation(enabled=False))
+    a = stub.Complete(req, metadata=AUTH, timeout=120)
+    b = stub.Complete(req, metadata=AUTH, timeout=120)
+    ids = encode_messages(engine.target.tokenizer, [{"role": "user", "content": text}])
+    want = engine.generate(GenerationRequest(tuple(ids), max_new_tokens=24, speculate=False,
+                                             sampling=SamplingParams(0.8, 0.95, 0, 7)))
+    assert list(a.token_ids) == list(b.token_ids) == want.token_ids
+
+
+def test_documents_and_speculation_options_are_honoured(stub, engine):
+    doc = "The Aurora bridge opened in 1932 and carries State Route 99 across the ship canal in Seattle."
+    req = chat("Using the document, say when the Aurora bridge opened and what it carries.", 30,
+               documents=[pb.Document(id="d1", text=doc)])
+    spec = stub.Complete(req, metadata=AUTH, timeout=120)
+    req.speculation.enabled = False
+    plain = stub.Complete(req, metadata=AUTH, timeout=120)
+    assert list(spec.token_ids) == list(plain.token_ids)
+    assert plain.mean_accepted_per_step == 1.0 and not plain.sources
+    only = chat(COPY_PROMPT, 16)
+    only.speculation.sources.append("rules")
+    got = stub.Complete(only, metadata=AUTH, timeout=120)
+    assert {s.source for s in got.sources} <= {"rules"}
+
+
+def test_session_reuses_kv_and_history(stub):
+    first = chat("Name three primary colours.", 20, session_id="sess-1")
+    a = stub.Complete(first, metadata=AUTH, timeout=120)
+    second = pb.GenerateRequest(
+        messages=[pb.ChatMessage(role="user", content="Name three primary colours."),
+                  pb.ChatMessage(role="assistant", content=a.text),
+                  pb.ChatMessage(role="user", content="And three secondary ones?")],
+        max_new_tokens=20, session_id="sess-1")
+    b = stub.Complete(second, metadata=AUTH, timeout=120)
+    assert b.usage.cached_prompt_tokens > 0
+    assert b.replica == a.replica
+    fresh = stub.Complete(pb.GenerateRequest(messages=second.messages, max_new_tokens=20), metadata=AUTH, timeout=120)
+    assert list(fresh.token_ids) == list(b.token_ids)
+
+
+# ---------------------------------------------------------------------------- bad input
+def _bad_requests():
+    long_prompt = "word " * 20000
+    both = chat("hi")
+    both.prompt = "hi"
+    cases = {
+        "empty prompt": (pb.GenerateRequest(prompt="", max_new_tokens=4), "prompt"),
+        "prompt and messages": (both, "prompt"),
+        "oversized prompt": (pb.GenerateRequest(prompt=long_prompt, max_new_tokens=4), "bytes"),
+        "invalid UTF-8 stop": (pb.GenerateRequest(prompt="hi", stop=[b"\xff\xfe"], max_new_tokens=4), "stop[0]"),
+        "negative max_new_tokens": (pb.GenerateRequest(prompt="hi", max_new_tokens=-1), "max_new_tokens"),
+        "huge max_new_tokens": (pb.GenerateRequest(prompt="hi", max_new_tokens=10**9), "max_new_tokens"),
+        "context overflow": (pb.GenerateRequest(prompt="hi " * 300, max_new_tokens=8100), "context"),
+        "negative temperature": (pb.GenerateRequest(prompt="hi", temperature=-1.0, max_new_tokens=4), "temperature"),
+        "NaN temperature": (pb.GenerateRequest(prompt="hi", temperature=float("nan"), max_new_tokens=4), "temperature"),
+        "top_p zero": (pb.GenerateRequest(prompt="hi", top_p=0.0, max_new_tokens=4), "top_p"),
+        "top_p above one": (pb.GenerateRequest(prompt="hi", top_p=1.5, max_new_tokens=4), "top_p"),
+        "negative top_k": (pb.GenerateRequest(prompt="hi", top_k=-3, max_new_tokens=4), "top_k"),
+        "unknown source": (pb.GenerateRequest(prompt="hi", max_new_tokens=4,
+                                              speculation=pb.Speculation(sources=["nope"])), "speculation.sources"),
+        "bad node budget": (pb.GenerateRequest(prompt="hi", max_new_tokens=4,
+                                               speculation=pb.Speculation(max_nodes=100000)), "speculation.max_nodes"),
+        "unknown policy": (pb.GenerateRequest(prompt="hi", max_new_tokens=4,
+                                              speculation=pb.Speculation(policy="yolo")), "speculation.policy"),
+    }
+    return [pytest.param(req, needle, id=name) for name, (req, needle) in cases.items()]
+
+
+@pytest.mark.parametrize("request_msg, needle", _bad_requests())
+@pytest.mark.parametrize("rpc", ["Complete", "Generate"])
+def test_bad_input_is_invalid_argument_and_the_service_keeps_serving(stub, rpc, request_msg, needle):
+    with pytest.raises(grpc.RpcError) as info:
+        if rpc == "Complete":
+            stub.Complete(request_msg, metadata=AUTH, timeout=60)
+        else:
+            list(stub.Generate(request_msg, metadata=AUTH, timeout=60))
+    assert info.value.code() == grpc.StatusCode.INVALID_ARGUMENT, info.value.details()
+    assert needle in info.value.details()
+
+
+def test_service_still_serves_after_bad_input(stub):
+    got = stub.Complete(chat("Say OK.", 4), metadata=AUTH, timeout=60)
+    assert got.usage.completion_tokens >= 1
+
+
+# ---------------------------------------------------------------------------- security
+@pytest.mark.parametrize("metadata, reason", [
+    ((), "missing"),
+    ((("authorization", "Bearer wrong-key"),), "invalid API key"),
+    ((("authorization", API_KEY),), "Bearer"),
+])
+def test_requests_without_a_valid_key_are_unauthenticated(stub, metadata, reason):
+    with pytest.raises(grpc.RpcError) as info:
+        stub.Complete(chat("hi", 4), metadata=metadata, timeout=30)
+    assert info.value.code() == grpc.StatusCode.UNAUTHENTICATED
+    assert reason in info.value.details() and API_KEY not in info.value.details()
+
+
+def test_tls_gateway_in_front_of_the_mesh(mesh, tmp_path):
+    """What `serve` runs when tls_cert/tls_key are set: the gateway before Serve's proxy."""
+    from tls_certs import self_signed
+
+    from draftmesh.client import MeshClient, build_request
+    from draftmesh.router.tls_gateway import TlsGateway
+
+    cert, key = self_signed("localhost")
+    gateway = TlsGateway(mesh.address.replace("localhost", "127.0.0.1"), 0, cert, key).run_in_thread()
+    try:
+        with MeshClient(f"localhost:{gateway.port}", api_key=API_KEY, tls_ca=cert, timeout_s=60) as client:
+            got = client.complete(build_request("Say OK.", max_new_tokens=4))
+            assert got.usage.completion_tokens >= 1
+            with pytest.raises(grpc.RpcError) as info:
+                client.complete(build_request("", max_new_tokens=4))
+            assert info.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+    finally:
+        gateway.stop()
+
+
+# ---------------------------------------------------------------------------- deadlines, cancellation, load
+def test_deadline_shorter_than_the_generation_frees_the_verifier(stub):
+    before = verifier_stats()
+    with pytest.raises(grpc.RpcError) as info:
+        stub.Complete(chat("Write a long essay about the history of the bicycle.", 2000), metadata=AUTH, timeout=1.5)
+    assert info.value.code() == grpc.StatusCode.DEADLINE_EXCEEDED
+    after = wait_idle()
+    assert after["active"] == 0
+    assert after["cancelled"] > before["cancelled"]
+
+
+def test_cancelled_stream_stops_the_verifier(stub):
+    before = verifier_stats()
+    call = stub.Generate(chat("Write a long essay about the history of the bicycle.", 2000), metadata=AUTH, timeout=120)
+    next(call)  # the first step arrived: the verifier is decoding
+    call.cancel()
+    after = wait_idle()
+    assert after["active"] == 0
+    assert after["cancelled"] > before["cancelled"]
+    assert after["steps"] - before["steps"] < 200  # stopped long before 2000 tokens
+
+
+def test_concurrent_clients_get_correct_outputs_and_excess_is_refused(stub, engine):
+    prompts = [f"Count from {i} to {i + 6}, separated by commas." for i in range(8)]
+    want = {p: in_process(engine, p, 24).token_ids for p in prompts}
+    with ThreadPoolExecutor(8) as pool:
+        got = list(pool.map(lambda p: stub.Complete(chat(p, 24), metadata=AUTH, timeout=300), prompts))
+    for p, g in zip(prompts, got):
+        assert list(g.token_ids) == want[p], p
+
+    # Beyond max_in_flight (8): refused at once with RESOURCE_EXHAUSTED, never queued without bound.
+    codes = []
+    lock = threading.Lock()
+
+    def one(i):
+        try:
+            stub.Complete(chat(f"Write a story number {i}.", 48), metadata=AUTH, timeout=300)
+            code = grpc.StatusCode.OK
+        except grpc.RpcError as exc:
+            code = exc.code()
+        with lock:
+            codes.append(code)
+
+    with ThreadPoolExecutor(14) as pool:
+        list(pool.map(one, range(14)))
+    assert codes.count(grpc.StatusCode.RESOURCE_EXHAUSTED) >= 1, codes
+    assert set(codes) <= {grpc.StatusCode.OK, grpc.StatusCode.RESOURCE_EXHAUSTED}, codes
+    assert codes.count(grpc.StatusCode.OK) >= 8
+    assert wait_idle()["active"] == 0
