@@ -62,14 +62,18 @@ class VerifierPool:
         cfg = MeshConfig(**config)
         cfg.apply_threads()
         target = TorchTarget.load(cfg.model, device=cfg.device, dtype=cfg.torch_dtype())
-        pool = SessionKVPool(max_sessions=max(1, cfg.session_cache_size)) if cfg.session_cache_size else None
-        extra = remote_sources(cfg, draft_handles, cfg.model)
-        decoder = make_decoder(target, cfg, extra_sources=extra, kv_pool=pool)
+        self._cfg, self._target, self._handles, self._make_decoder = cfg, target, draft_handles, make_decoder
         context = serve.get_replica_context()
         name = f"{socket.gethostname()}/{context.replica_id.unique_id if context else os.getpid()}"
-        self.replica = VerifierReplica(decoder, name=name)
-        self.sources = [s.name for s in decoder.sources]
+        self.replica = VerifierReplica(self._new_decoder(), name=name)
+        self.sources = [s.name for s in self.replica.decoder.sources]
         log.info("verifier replica %s ready: model %s, sources %s", name, cfg.model, ", ".join(self.sources))
+
+    def _new_decoder(self) -> SpeculativeDecoder:
+        cfg = self._cfg
+        pool = SessionKVPool(max_sessions=cfg.session_cache_size) if cfg.session_cache_size else None
+        extra = remote_sources(cfg, self._handles, cfg.model)
+        return self._make_decoder(self._target, cfg, extra_sources=extra, kv_pool=pool)
 
     @serve.multiplexed(max_num_models_per_replica=1024)
     async def _session(self, session_id: str) -> _Session:
@@ -86,3 +90,12 @@ class VerifierPool:
 
     async def source_names(self) -> list[str]:
         return self.sources
+
+    async def reset_state(self) -> None:
+        """Forget what this replica learned (builder statistics, in-memory stores, session KV),
+        keeping the loaded model and its cost curve: benchmarks start each pass cold, like the
+        in-process engine they are compared with. Only for an idle replica."""
+        if self.replica.stats()["active"]:
+            raise RuntimeError("reset_state needs an idle replica")
+        old, self.replica.decoder = self.replica.decoder, self._new_decoder()
+        old.caller.close()
