@@ -36,7 +36,7 @@ test-fast: setup
 	$(PY) -m pytest -q -m "not slow" $(PYTEST_ARGS)
 
 demo: models
-	$(PY) -m draftmesh.cli demo --threads 2
+	$(PY) -m draftmesh.cli demo --threads 2 --log-level WARNING
 
 bench: models
 	$(PY) -m draftmesh.cli bench --workload bench/public.jsonl --threads 2 --repeats 3 \

@@ -12,6 +12,13 @@ is printed loudly as it happens, recorded as ``identical_to_plain: false`` with 
 differing position (and the top-2 logit gap of the model there), and makes the command
 exit with status 1.
 
+With ``--target mesh`` the same workload also runs through the served mesh (gRPC, Ray
+Serve): ``mesh:plain`` and ``mesh:draftmesh`` are runners like the others (``MeshRunner``),
+interleaved item by item with the in-process methods and checked against in-process
+``plain`` token for token; a "mesh vs in-process" table compares each pair. Without
+``--addr`` the bench starts a private local mesh (and stops it at the end) and resets its
+learned state before every pass, as the in-process engine is rebuilt.
+
 Layout: method runners (one small class per family, one ``run(item) -> ItemRun``) do the
 work; ``execute`` runs the interleaved loop; everything after that (summary, table, JSON,
 plot) is a pure function of the collected ``ItemResult`` list.
@@ -44,8 +51,17 @@ DRAFTMESH = "draftmesh"
 ENGINE_PREFIX = "draftmesh:"
 POLICY_SEPARATOR = "+"
 ALL_DEFAULT_ABLATIONS = "draftmesh:*"
+MESH_PLAIN = "mesh:plain"
+MESH_DRAFTMESH = "mesh:draftmesh"
+MESH_METHODS = (MESH_PLAIN, MESH_DRAFTMESH)
 BASE_METHODS = (PLAIN, HF, HF_PLD, HF_ASSIST, DRAFTMESH)
 DEFAULT_METHODS = "plain,hf,hf-pld,hf-assist,draftmesh"
+DEFAULT_MESH_METHODS = "plain,draftmesh,mesh:plain,mesh:draftmesh"
+MESH_PAIRS = ((MESH_DRAFTMESH, DRAFTMESH), (MESH_PLAIN, PLAIN))
+"""(mesh method, the in-process method it is compared with)."""
+TARGETS = ("local", "mesh")
+MESH_TIMEOUT_S = 600.0
+"""Deadline of one mesh request (a hung mesh must not hang the bench)."""
 PLD_NUM_TOKENS = 10
 ALL_KINDS = "all"
 WARMUP_TOKENS = 8
@@ -58,9 +74,10 @@ EXIT_OK, EXIT_MISMATCH, EXIT_USAGE = 0, 1, 2
 class Method:
     name: str
     family: str
-    """"engine" (our decoder) or "hf" (transformers generate)."""
+    """"engine" (our decoder), "hf" (transformers generate) or "mesh" (the served mesh over gRPC)."""
     sources: tuple[str, ...] | None = None
-    """Engine only: the draft sources; None = the registry's default set, () = plain decoding."""
+    """Engine: the draft sources; None = the registry's default set, () = plain decoding.
+    Mesh: () = speculation disabled, None = the mesh's default speculation."""
     hf_mode: str | None = None
     """HF only: "greedy", "pld" or "assist"."""
     lossless: bool = True
@@ -132,6 +149,10 @@ def parse_methods(
                     f"{', '.join(available) or '(none)'}"
                 )
             methods.append(Method(name, "engine", sources=(source,)))
+        elif name == MESH_PLAIN:
+            methods.append(Method(MESH_PLAIN, "mesh", sources=()))
+        elif name == MESH_DRAFTMESH:
+            methods.append(Method(MESH_DRAFTMESH, "mesh", sources=None))
         elif name == HF:
             methods.append(Method(HF, "hf", hf_mode="greedy"))
         elif name == HF_PLD:
@@ -139,7 +160,9 @@ def parse_methods(
         elif name == HF_ASSIST:
             methods.append(Method(HF_ASSIST, "hf", hf_mode="assist"))
         else:
-            valid = ", ".join([*BASE_METHODS, ALL_DEFAULT_ABLATIONS] + [ENGINE_PREFIX + s for s in available])
+            valid = ", ".join(
+                [*BASE_METHODS, ALL_DEFAULT_ABLATIONS, *MESH_METHODS] + [ENGINE_PREFIX + s for s in available]
+            )
             raise ValueError(f"unknown method {name!r}; valid methods: {valid}")
     return methods
 
@@ -196,6 +219,10 @@ class ItemRun:
     prompt_tokens: int = 0
     lenient_tokens: int | None = None
     """Tokens a lossy policy accepted that exact verification would not."""
+    first_token_s: float | None = None
+    """Seconds from the call to the first generated token (None where not visible: hf)."""
+    cached_prompt_tokens: int | None = None
+    """Mesh only: prompt tokens whose KV came from the mesh's session cache (not prefilled)."""
 
     @property
     def new_tokens(self) -> int:
@@ -382,6 +409,7 @@ class EngineRunner:
             text=res.text,
             prompt_tokens=len(item.prompt_ids),
             lenient_tokens=res.lenient_tokens,
+            first_token_s=res.first_token_s,
         )
 
 
@@ -478,15 +506,275 @@ class HFRunner:
         )
 
 
+class MeshError(RuntimeError):
+    """The mesh could not be started or reached, refused a request, or answered inconsistently."""
+
+
+class MeshRunner:
+    """One method through the served mesh: a streaming ``Generate`` per item (``draftmesh.client``).
+
+    The request carries the item as the workload gives it (``messages`` or the raw
+    ``prompt``; the mesh renders it with the same ``draftmesh.prompts`` functions the bench
+    uses, which is checked on every answer through ``usage.prompt_tokens``), its corpus as
+    documents, its session and ``max_new_tokens``. ``speculate=False`` disables speculation
+    (``mesh:plain``); ``True`` leaves the mesh's default speculation.
+
+    Timing is client-side wall time around the whole streaming call; ``first_token_s`` is the
+    time to the first delta that carries tokens; ``steps`` the number of deltas (one per
+    target forward); draft/verify time the sum of the deltas' ``StepStats``. Per-source
+    accepted tokens come from the result; the API does not expose proposals, so a mesh
+    run's proposal counts stay 0.
+
+    ``reset`` calls ``resetter`` (given when the bench owns the mesh: see ``OwnMeshState``).
+    ``session_suffix`` keeps this method's sessions apart from another mesh method's on the
+    same mesh (the in-process methods each have their own decoder, so their sessions never
+    mix either). ``run_after`` names a method that must run before this one on each item:
+    every request leaves its answer in the mesh's shared answer store, so a speculating
+    method must not run an item after another method already answered it.
+    """
+
+    lossless = True
+
+    def __init__(
+        self,
+        name: str,
+        client,
+        *,
+        speculate: bool = True,
+        max_nodes: int | None = None,
+        resetter: Callable[[], None] | None = None,
+        session_suffix: str = "",
+        run_after: str | None = None,
+        timeout_s: float | None = MESH_TIMEOUT_S,
+    ) -> None:
+        self.name = name
+        self.client = client
+        self.speculate = speculate
+        self.max_nodes = max_nodes
+        self.resetter = resetter
+        self.session_suffix = session_suffix
+        self.run_after = run_after
+        self.timeout_s = timeout_s
+
+    def reset(self) -> None:
+        if self.resetter is not None:
+            self.resetter()
+
+    def request(self, item: PreparedItem):
+        """The ``GenerateRequest`` for an item."""
+        from draftmesh.client import build_request
+
+        work = item.item
+        session = f"{work.session}{self.session_suffix}" if work.session else ""
+        return build_request(
+            work.prompt if work.messages is None else None,
+            messages=[dict(m) for m in work.messages] if work.messages is not None else None,
+            max_new_tokens=item.max_new_tokens,
+            session_id=session,
+            documents=list(work.corpus),
+            speculate=None if self.speculate else False,
+            max_nodes=self.max_nodes if self.speculate else None,
+        )
+
+    def run(self, item: PreparedItem) -> ItemRun:
+        import grpc
+
+        req = self.request(item)
+        steps, draft_ms, verify_ms = 0, 0.0, 0.0
+        first_token_s = None
+        result = None
+        call = None
+        t0 = time.perf_counter()
+        try:
+            call = self.client.generate(req, timeout_s=self.timeout_s)
+            for response in call:
+                kind = response.WhichOneof("event")
+                if kind == "delta":
+                    steps += 1
+                    if first_token_s is None and len(response.delta.token_ids):
+                        first_token_s = time.perf_counter() - t0
+                    draft_ms += response.delta.stats.draft_ms
+                    verify_ms += response.delta.stats.verify_ms
+                elif kind == "result":
+                    result = response.result
+            seconds = time.perf_counter() - t0
+        except grpc.RpcError as exc:
+            code = exc.code() if hasattr(exc, "code") else None
+            details = exc.details() if hasattr(exc, "details") else str(exc)
+            raise MeshError(
+                f"{self.name}: item {item.id!r}: the mesh at {getattr(self.client, 'addr', '?')} answered "
+                f"{code.name if code is not None else 'UNKNOWN'}: {details}"
+            ) from None
+        except KeyboardInterrupt:
+            if call is not None:
+                call.cancel()
+            raise
+        if result is None:
+            raise MeshError(f"{self.name}: item {item.id!r}: the stream ended without a result")
+        if result.usage.prompt_tokens != len(item.prompt_ids):
+            what = "chat messages (chat template)" if item.item.messages is not None else "raw prompt text"
+            raise MeshError(
+                f"{self.name}: item {item.id!r}: the mesh rendered the {what} to {result.usage.prompt_tokens} "
+                f"prompt tokens, the bench to {len(item.prompt_ids)}: the mesh must serve the same model "
+                f"(and tokenizer) as --model"
+            )
+        sources = {s.source: SourceStats(accepted_tokens=int(s.accepted_tokens)) for s in result.sources}
+        return ItemRun(
+            item_id=item.id,
+            kind=item.kind,
+            method=self.name,
+            token_ids=[int(t) for t in result.token_ids],
+            seconds=seconds,
+            steps=steps,
+            draft_s=draft_ms / 1000.0,
+            verify_s=verify_ms / 1000.0,
+            sources=sources,
+            text=result.text,
+            prompt_tokens=int(result.usage.prompt_tokens),
+            lenient_tokens=int(result.lenient_tokens),
+            first_token_s=first_token_s,
+            cached_prompt_tokens=int(result.usage.cached_prompt_tokens),
+        )
+
+
+class OwnMeshState:
+    """Resets the learned state of a mesh this process started (``reset`` before every pass).
+
+    ``reset_state`` on the verifier deployment rebuilds the decoder of the replica it
+    reaches (builder statistics, in-memory stores, session KV; the model and its cost curve
+    stay), and the answer store's Redis is emptied (``FLUSHDB`` on the mesh's embedded
+    redis-server; on a Redis given through ``REDIS_URL`` only the answer store's keys are
+    deleted). A deployment handle call reaches ONE replica: with more than one verifier
+    replica the others keep their state (the bench starts exactly one).
+    """
+
+    ANSWER_PREFIX = "draftmesh:answers:"
+
+    def __init__(self, redis_url: str | None, *, embedded_redis: bool, app_name: str | None = None,
+                 idle_timeout_s: float = 30.0) -> None:
+        self.redis_url = redis_url
+        self.embedded_redis = embedded_redis
+        self.app_name = app_name
+        self.idle_timeout_s = idle_timeout_s
+        self.resets = 0
+
+    def reset(self) -> None:
+        from ray import serve
+
+        app = self.app_name
+        if app is None:
+            from draftmesh.router.app import APP_NAME as app
+        handle = serve.get_deployment_handle("verifier", app_name=app)
+        deadline = time.monotonic() + self.idle_timeout_s
+        while True:
+            try:
+                handle.reset_state.remote().result()
+                break
+            except Exception as exc:  # noqa: BLE001 - the replica may still be finishing the last stream
+                if "idle replica" in str(exc) and time.monotonic() < deadline:
+                    time.sleep(0.05)
+                    continue
+                raise MeshError(f"cannot reset the mesh's verifier: {type(exc).__name__}: {exc}") from None
+        if self.redis_url:
+            import redis
+
+            client = redis.Redis.from_url(self.redis_url)
+            try:
+                if self.embedded_redis:
+                    client.flushdb()
+                else:
+                    keys = list(client.scan_iter(match=self.ANSWER_PREFIX + "*", count=1000))
+                    for start in range(0, len(keys), 1000):
+                        client.delete(*keys[start : start + 1000])
+            finally:
+                client.close()
+        self.resets += 1
+
+
+def mesh_process_memory(root_pid: int | None = None) -> dict[str, Any] | None:
+    """Memory of a local mesh this process started: every descendant process of ``root_pid``.
+
+    ``start_mesh`` starts the embedded redis-server, Ray's gcs_server, raylet, dashboard,
+    monitor and log monitor as children of this process and the raylet starts every Ray
+    worker (the Serve controller, the proxy, the router and verifier replicas, Ray's agents),
+    so the descendants are exactly the mesh; the bench process itself (the in-process
+    methods' model) is not counted. Matching process names instead would also count other
+    Ray instances of the same user. ``rss_mb`` sums resident set sizes (shared pages counted
+    once per process), ``pss_mb`` proportional set sizes (shared pages split), where readable.
+    None without psutil.
+    """
+    try:
+        import psutil
+    except ImportError:
+        return None
+    try:
+        root = psutil.Process(root_pid or os.getpid())
+        procs = root.children(recursive=True)
+    except psutil.Error:
+        return None
+    rss = pss = 0
+    count, pss_ok = 0, True
+    names: dict[str, int] = {}
+    for proc in procs:
+        try:
+            rss += proc.memory_info().rss
+            name = proc.name()
+        except psutil.Error:
+            continue
+        count += 1
+        names[name] = names.get(name, 0) + 1
+        try:
+            pss += proc.memory_full_info().pss
+        except (psutil.Error, AttributeError):
+            pss_ok = False
+    own = None
+    with contextlib.suppress(psutil.Error):
+        own = root.memory_info().rss
+    return {
+        "rss_mb": round(rss / 2**20, 1),
+        "pss_mb": round(pss / 2**20, 1) if pss_ok and count else None,
+        "processes": count,
+        "process_names": dict(sorted(names.items())),
+        "counted": "every descendant process of the bench process (the mesh it started: redis-server, "
+                   "Ray's gcs_server, raylet, agents and workers incl. Serve replicas), measured right after the run",
+        "bench_process_rss_mb": round(own / 2**20, 1) if own is not None else None,
+    }
+
+
 def make_runner(
     method: Method, target, *, assistant=None, max_nodes: int | None = None, source_options=None
 ) -> MethodRunner:
-    """The runner for a method on a local target (a remote target would add its own here)."""
+    """The runner for a method on a local target (mesh methods: ``make_mesh_runners``)."""
+    if method.family == "mesh":
+        raise ValueError(f"{method.name} runs through the mesh: use make_mesh_runners")
     if method.family == "engine":
         return EngineRunner(
             method.name, target, method.sources, source_options=source_options, max_nodes=max_nodes, policy=method.policy
         )
     return HFRunner(method.name, target, method.hf_mode or "greedy", assistant=assistant)
+
+
+def make_mesh_runners(
+    methods: Sequence[Method], client, *, resetter: Callable[[], None] | None = None, max_nodes: int | None = None
+) -> list[MeshRunner]:
+    """The runners of the mesh methods, on one client (and one mesh).
+
+    ``mesh:plain`` runs after ``mesh:draftmesh`` on every item and uses its own session ids
+    (see ``MeshRunner``); ``max_nodes`` is sent per request (for a mesh the bench did not
+    start; a mesh it starts gets it in its config instead).
+    """
+    names = {m.name for m in methods}
+    runners = []
+    for m in methods:
+        if m.family != "mesh":
+            continue
+        plain = m.sources == ()
+        runners.append(MeshRunner(
+            m.name, client, speculate=not plain, max_nodes=max_nodes, resetter=resetter,
+            session_suffix="#mesh-plain" if plain else "",
+            run_after=MESH_DRAFTMESH if plain and MESH_DRAFTMESH in names else None,
+        ))
+    return runners
 
 
 # ====================================================================== checks
@@ -579,6 +867,21 @@ def top2_gap(target, prompt_ids: Sequence[int], prefix: Sequence[int]) -> float:
 
 
 # ====================================================================== the loop
+def item_order(runners: Sequence[MethodRunner], shift: int) -> list[MethodRunner]:
+    """The runners rotated left by ``shift``; then a runner with ``run_after = NAME`` is moved
+    right behind runner NAME when the rotation put it first (runners sharing learned state,
+    see ``MeshRunner``)."""
+    n = len(runners)
+    order = list(runners[shift % n :]) + list(runners[: shift % n]) if n else []
+    for r in list(order):
+        after = getattr(r, "run_after", None)
+        names = [x.name for x in order]
+        if after in names and names.index(r.name) < names.index(after):
+            order.remove(r)
+            order.insert([x.name for x in order].index(after) + 1, r)
+    return order
+
+
 def execute(
     runners: Sequence[MethodRunner],
     items: Sequence[PreparedItem],
@@ -620,8 +923,7 @@ def execute(
             for r in runners:
                 r.reset()
             for index, it in enumerate(items):
-                shift = (index + rep) % len(runners)
-                for r in list(runners[shift:]) + list(runners[:shift]):
+                for r in item_order(runners, index + rep):
                     bar.set_postfix_str(f"{it.id} {r.name}", refresh=False)
                     results[(it.id, r.name)].runs.append(r.run(it))
                     bar.update(1)
@@ -649,9 +951,12 @@ def geometric_mean(values: Iterable[float]) -> float | None:
     return math.exp(sum(math.log(v) for v in vals) / len(vals))
 
 
-def speedup_ratios(results: Sequence[ItemResult], method: str, kind: str | None = None) -> list[float]:
-    """Per-item tokens/s of ``method`` over plain's (items with no tokens or time are skipped)."""
-    plain = {r.item_id: r for r in results if r.method == PLAIN}
+def speedup_ratios(
+    results: Sequence[ItemResult], method: str, kind: str | None = None, reference: str = PLAIN
+) -> list[float]:
+    """Per-item tokens/s of ``method`` over ``reference``'s (default plain; items with no tokens
+    or time are skipped)."""
+    plain = {r.item_id: r for r in results if r.method == reference}
     ratios = []
     for r in results:
         if r.method != method or (kind not in (None, ALL_KINDS) and r.kind != kind):
@@ -712,6 +1017,7 @@ def summarize_group(results: Sequence[ItemResult], method: str, kind: str) -> di
         "identical_share": _round(_mean([float(r.same_as_plain) for r in group if r.same_as_plain is not None])),
         "mean_norm_edit_distance": _round(_mean([r.edit_distance for r in group if r.edit_distance is not None])),
         "lenient_tokens": sum(r.representative.lenient_tokens or 0 for r in group) if group else 0,
+        "first_token_ms": _round(_median_ms([first_token_s(r) for r in group])),
         "lossless": all(r.lossless for r in group),
         "acceptance_by_source": {
             name: {
@@ -729,6 +1035,87 @@ def _mean(values: Sequence[float]) -> float | None:
     return sum(values) / len(values) if values else None
 
 
+def first_token_s(r: ItemResult) -> float | None:
+    """Median over the repeats of the time to the first token (None where no run has one)."""
+    vals = [run.first_token_s for run in r.runs if run.first_token_s is not None]
+    return statistics.median(vals) if vals else None
+
+
+def _median_ms(seconds: Iterable[float | None]) -> float | None:
+    vals = [1e3 * v for v in seconds if v is not None]
+    return statistics.median(vals) if vals else None
+
+
+def _compute_s_per_step(run: ItemRun) -> float | None:
+    if not run.steps or run.draft_s is None or run.verify_s is None:
+        return None
+    return (run.draft_s + run.verify_s) / run.steps
+
+
+def mesh_summary(
+    results: Sequence[ItemResult], pairs: Sequence[tuple[str, str]] = MESH_PAIRS
+) -> dict[str, dict[str, Any]]:
+    """Each mesh method against its in-process counterpart, over the items both ran.
+
+    - ``tokens_per_s_ratio``: geometric mean over items of (mesh tokens/s / in-process
+      tokens/s), each from the median time, as ``speedup_vs_plain``;
+    - ``first_token_ms``: median over items of each side's median time to the first token;
+    - ``overhead_ms_per_step``: median over items of (mesh seconds - in-process seconds) /
+      mesh steps: what serving adds per target forward (gRPC, the proxy, the router,
+      streaming each step; Redis for the answer store);
+    - ``compute_ms_per_step``: median over items of (draft + verify time) / steps of each
+      side's representative run, as measured where the decoder runs; the difference to
+      ``overhead_ms_per_step`` is outside the decode loop.
+    Pairs whose mesh method did not run are left out.
+    """
+    by_key = {(r.item_id, r.method): r for r in results}
+    out: dict[str, dict[str, Any]] = {}
+    for mesh, local in pairs:
+        if not any(r.method == mesh for r in results):
+            continue
+        items = [r.item_id for r in results if r.method == mesh and (r.item_id, local) in by_key]
+        m_res = [by_key[(i, mesh)] for i in items]
+        l_res = [by_key[(i, local)] for i in items]
+        ratios = speedup_ratios(results, mesh, reference=local)
+        overhead = []
+        for m, lo in zip(m_res, l_res):
+            steps = m.representative.steps
+            if steps:
+                overhead.append(1e3 * (m.seconds - lo.seconds) / steps)
+        out[mesh] = {
+            "reference": local,
+            "items": len(items),
+            "tokens_per_s": {"mesh": _round(_group_tps(m_res)), "local": _round(_group_tps(l_res))},
+            "tokens_per_s_ratio": _round(geometric_mean(ratios)),
+            "first_token_ms": {
+                "mesh": _round(_median_ms(first_token_s(r) for r in m_res)),
+                "local": _round(_median_ms(first_token_s(r) for r in l_res)),
+            },
+            "overhead_ms_per_step": _round(statistics.median(overhead) if overhead else None),
+            "compute_ms_per_step": {
+                "mesh": _round(_median_ms(_compute_s_per_step(r.representative) for r in m_res)),
+                "local": _round(_median_ms(_compute_s_per_step(r.representative) for r in l_res)),
+            },
+            "mean_accepted_per_step": {
+                "mesh": _round(_tokens_per_step(m_res)), "local": _round(_tokens_per_step(l_res)),
+            },
+            "identical": sum(1 for r in m_res if r.identical_to_plain is True),
+            "mismatches": sum(1 for r in m_res if r.identical_to_plain is False),
+        }
+    return out
+
+
+def _group_tps(group: Sequence[ItemResult]) -> float | None:
+    seconds = sum(r.seconds for r in group)
+    return sum(r.new_tokens for r in group) / seconds if group and seconds > 0 else None
+
+
+def _tokens_per_step(group: Sequence[ItemResult]) -> float | None:
+    reps = [r.representative for r in group if r.representative.steps]
+    steps = sum(run.steps for run in reps)
+    return sum(run.new_tokens for run in reps) / steps if steps else None
+
+
 def summarize(results: Sequence[ItemResult]) -> dict[str, dict[str, dict[str, Any]]]:
     """{method: {"all" | kind: {tokens_per_s, speedup_vs_plain, mean_accepted_per_step, ...}}}."""
     kinds = [ALL_KINDS, *kinds_in_order(results)]
@@ -743,6 +1130,9 @@ class BenchReport:
     results: list[ItemResult]
     skipped: dict[str, str] = field(default_factory=dict)
     meta: dict[str, Any] = field(default_factory=dict)
+    mesh: dict[str, Any] | None = None
+    """With mesh methods: how the mesh ran (address, started_by_bench, started_s, memory,
+    mesh_state_reset, ...); ``report_to_json`` adds the pairs of ``mesh_summary``."""
 
 
 def _per_step_ms(seconds: float | None, steps: int | None) -> float | None:
@@ -766,9 +1156,11 @@ def item_record(r: ItemResult) -> dict[str, Any]:
         "same_as_plain": r.same_as_plain,
         "norm_edit_distance": _round(r.edit_distance),
         "lenient_tokens": rep.lenient_tokens,
+        "first_token_ms": _round(None if first_token_s(r) is None else 1e3 * first_token_s(r)),
         "stable_across_repeats": r.stable,
         "seconds_by_repeat": [round(run.seconds, 6) for run in r.runs],
         "prompt_tokens": rep.prompt_tokens,
+        **({"cached_prompt_tokens": rep.cached_prompt_tokens} if rep.cached_prompt_tokens is not None else {}),
         "steps": rep.steps,
         "draft_ms_per_step": _per_step_ms(rep.draft_s, rep.steps),
         "verify_ms_per_step": _per_step_ms(rep.verify_s, rep.steps),
@@ -802,6 +1194,8 @@ def report_to_json(report: BenchReport) -> dict[str, Any]:
         for r in report.results
         if r.identical_to_plain is False
     ]
+    if any(m in MESH_METHODS for m in out["methods"]):
+        out["mesh"] = {**(report.mesh or {}), "pairs": mesh_summary(report.results)}
     return out
 
 
@@ -864,7 +1258,9 @@ def format_report(report: BenchReport) -> str:
             cells = [m, n]
             for kind in kinds:
                 st = summary[m][kind]["acceptance_by_source"].get(n)
-                if not st or not st["proposed_tokens"]:
+                if st and not st["proposed_tokens"] and not st["proposals"] and st["accepted_tokens"]:
+                    cells.append(f"{st['accepted_tokens']}/?")  # the mesh reports no proposals
+                elif not st or not st["proposed_tokens"]:
                     cells.append("-")
                 else:
                     cells.append(f"{st['accepted_tokens']}/{st['proposed_tokens']} {100 * st['acceptance']:.0f}%")
@@ -893,6 +1289,9 @@ def format_report(report: BenchReport) -> str:
             [False, True, True, True, True, True],
         )
 
+    if any(m in MESH_METHODS for m in methods):
+        lines += ["", *format_mesh(report)]
+
     bad = [r for r in report.results if r.identical_to_plain is False]
     if bad:
         lines += ["", f"!!! {len(bad)} OUTPUT MISMATCH(ES) WITH PLAIN (lossless methods must match token for token):"]
@@ -906,6 +1305,43 @@ def format_report(report: BenchReport) -> str:
         which = ", ".join(f"{r.item_id}/{r.method}" for r in unstable)
         lines += ["", f"note: output changed between repeats for: {which}"]
     return "\n".join(lines)
+
+
+def format_mesh(report: BenchReport) -> list[str]:
+    """The "mesh vs in-process" table (one row per mesh method and its in-process counterpart)."""
+    info = report.mesh or {}
+    pairs = mesh_summary(report.results)
+    head = "mesh vs in-process"
+    facts = []
+    if info.get("started_by_bench"):
+        if info.get("started_s") is not None:
+            facts.append(f"mesh started in {info['started_s']:.1f}s")
+        mem = info.get("memory") or {}
+        if mem.get("rss_mb") is not None:
+            pss = f", PSS {mem['pss_mb'] / 1024:.2f} GiB" if mem.get("pss_mb") is not None else ""
+            facts.append(f"mesh memory RSS {mem['rss_mb'] / 1024:.2f} GiB{pss} in {mem['processes']} processes")
+    elif info.get("address"):
+        facts.append(f"mesh at {info['address']}")
+    if info.get("mesh_state_reset") is False:
+        facts.append("mesh state NOT reset between passes")
+    lines = [head + (f" ({'; '.join(facts)})" if facts else "")]
+    header = ["mesh method", "vs", "items", "tok/s ratio", "first token ms mesh/local",
+              "overhead ms/step", "compute ms/step mesh/local", "tok/step mesh/local"]
+    rows = []
+    for mesh, p in pairs.items():
+        ratio = p["tokens_per_s_ratio"]
+        rows.append([
+            mesh,
+            p["reference"],
+            str(p["items"]),
+            _fmt(ratio, ".2f") + ("x" if ratio is not None else ""),
+            f"{_fmt(p['first_token_ms']['mesh'], '.1f')} / {_fmt(p['first_token_ms']['local'], '.1f')}",
+            _fmt(p["overhead_ms_per_step"], ".2f"),
+            f"{_fmt(p['compute_ms_per_step']['mesh'], '.2f')} / {_fmt(p['compute_ms_per_step']['local'], '.2f')}",
+            f"{_fmt(p['mean_accepted_per_step']['mesh'], '.2f')} / {_fmt(p['mean_accepted_per_step']['local'], '.2f')}",
+        ])
+    lines += _table(header, rows, [False, False, True, True, True, True, True, True])
+    return lines
 
 
 def write_plot(report: BenchReport, path: str | Path) -> None:
@@ -1015,12 +1451,28 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--model", default="smollm2-135m", metavar="SPEC", help="target model (default: %(default)s)")
     parser.add_argument(
         "--methods",
-        default=DEFAULT_METHODS,
+        default=None,
         metavar="LIST",
         help="comma-separated: plain, hf, hf-pld, hf-assist, draftmesh, draftmesh:<source> (one source alone), "
         "draftmesh:* (each default source alone), draftmesh+<policy> or draftmesh:<source>+<policy> "
-        "(a lossy acceptance policy: typical, nkl, block, semantic); plain is always run (default: %(default)s)",
+        "(a lossy acceptance policy: typical, nkl, block, semantic), mesh:plain, mesh:draftmesh (through the "
+        f"mesh, with --target mesh); plain is always run (default: {DEFAULT_METHODS}; with --target mesh: "
+        f"{DEFAULT_MESH_METHODS})",
     )
+    parser.add_argument(
+        "--target", choices=TARGETS, default="local",
+        help="local: in-process methods only; mesh: also run the mesh:* methods through a served mesh "
+        "(--addr, or a local mesh the bench starts and stops) (default: %(default)s)",
+    )
+    parser.add_argument(
+        "--addr", metavar="HOST:PORT", default=None,
+        help="with --target mesh: an already running mesh (its learned state is not reset between passes); "
+        "default: start a local mesh for the run",
+    )
+    parser.add_argument(
+        "--api-key", default=None, help="with --addr: API key sent as a bearer token (default: $DRAFTMESH_API_KEY)"
+    )
+    parser.add_argument("--tls-ca", metavar="FILE", default=None, help="with --addr: PEM CA/certificate to trust; enables TLS")
     parser.add_argument("--assistant", metavar="SPEC", default=None, help="assistant model for hf-assist")
     parser.add_argument(
         "--repeats", type=_positive_int, default=3, metavar="N",
@@ -1082,6 +1534,99 @@ def prepare_items(items: Sequence[WorkItem], target, max_new_tokens: int | None 
     return prepared
 
 
+def default_methods(target_kind: str, methods: str | None) -> str:
+    """The --methods text: the given one, else the default of the target."""
+    if methods:
+        return methods
+    return DEFAULT_MESH_METHODS if target_kind == "mesh" else DEFAULT_METHODS
+
+
+def check_target(target_kind: str, methods: Sequence[Method], *, addr: str | None = None,
+                 tls_ca: str | None = None) -> None:
+    """ValueError for a --target that does not fit the methods or the mesh flags."""
+    if target_kind not in TARGETS:
+        raise ValueError(f"--target must be one of {', '.join(TARGETS)}, got {target_kind!r}")
+    mesh = [m.name for m in methods if m.family == "mesh"]
+    if target_kind != "mesh":
+        if mesh:
+            raise ValueError(f"method(s) {', '.join(mesh)} run through the mesh: add --target mesh")
+        if addr or tls_ca:
+            raise ValueError("--addr and --tls-ca need --target mesh")
+    elif not mesh:
+        raise ValueError(f"--target mesh needs a mesh method in --methods ({', '.join(MESH_METHODS)})")
+    if tls_ca and not addr:
+        raise ValueError("--tls-ca applies to a mesh given with --addr")
+
+
+def _free_port() -> int:
+    import socket
+
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]
+
+
+def open_mesh(
+    cleanup: contextlib.ExitStack,
+    methods: Sequence[Method],
+    *,
+    model: str,
+    threads: int,
+    addr: str | None = None,
+    api_key: str | None = None,
+    tls_ca: bytes | None = None,
+    max_nodes: int | None = None,
+) -> tuple[list[MeshRunner], dict[str, Any], Callable[[], dict[str, Any] | None]]:
+    """Connect to ``addr``, or start a local mesh for ``model`` (stopped by ``cleanup``, also on
+    an error or Ctrl-C); return the mesh runners, the mesh facts for the report and a
+    function measuring the mesh's memory (None for a mesh not started here)."""
+    from draftmesh.client import API_KEY_ENV, MeshClient
+
+    api_key = api_key or os.environ.get(API_KEY_ENV) or None
+    if addr:
+        client = cleanup.enter_context(MeshClient(addr, api_key=api_key, tls_ca=tls_ca))
+        print(
+            f"draftmesh bench: warning: the mesh at {addr} was not started by the bench, so its learned state "
+            "(answer store, builder statistics, session KV caches) carries over between passes and from "
+            "earlier traffic: mesh:draftmesh does not start each pass cold like the in-process methods",
+            file=sys.stderr,
+        )
+        runners = make_mesh_runners(methods, client, max_nodes=max_nodes)
+        info = {"address": addr, "started_by_bench": False, "started_s": None, "memory": None,
+                "mesh_state_reset": False, "tls": tls_ca is not None}
+        return runners, info, lambda: None
+
+    from draftmesh.config import MeshConfig
+    from draftmesh.router.launcher import start_mesh
+
+    cfg_args: dict[str, Any] = {"model": model, "threads": threads, "grpc_port": _free_port()}
+    if max_nodes is not None:
+        cfg_args["max_nodes"] = max_nodes
+    embedded_redis = not os.environ.get("REDIS_URL")
+    print(f"draftmesh bench: starting a local mesh for {model} ({threads} torch threads) ...", file=sys.stderr)
+    try:
+        running = start_mesh(MeshConfig(**cfg_args))
+    except Exception as exc:  # noqa: BLE001 - reported as a bench error; start_mesh cleaned up
+        raise MeshError(f"cannot start a local mesh: {type(exc).__name__}: {exc}") from exc
+    cleanup.callback(running.stop)
+    print(f"draftmesh bench: mesh ready at {running.address} in {running.started_s:.1f}s", file=sys.stderr)
+    # api_key: the bench's own mesh has no auth; a key from the environment is simply ignored there
+    client = cleanup.enter_context(MeshClient(running.address, api_key=api_key))
+    state = OwnMeshState(running.config.redis_url, embedded_redis=embedded_redis)
+    runners = make_mesh_runners(methods, client, resetter=state.reset)
+    cfg = running.config
+    info = {
+        "address": running.address,
+        "started_by_bench": True,
+        "started_s": round(running.started_s, 3),
+        "memory": None,
+        "mesh_state_reset": True,
+        "config": {"model": cfg.model, "threads": cfg.threads, "max_nodes": cfg.max_nodes,
+                   "verifier_replicas": cfg.verifier_replicas, "session_cache_size": cfg.session_cache_size},
+    }
+    return runners, info, mesh_process_memory
+
+
 def run(args: argparse.Namespace) -> int:
     """Run the benchmark described by ``args`` (see ``add_arguments``); return the exit status.
 
@@ -1091,11 +1636,20 @@ def run(args: argparse.Namespace) -> int:
     import torch
 
     opt = lambda name, default=None: getattr(args, name, default)  # noqa: E731 - Namespaces built by hand
+    target_kind = opt("target") or "local"
     try:
         items = load_workload(args.workload)
-        methods = parse_methods(opt("methods") or DEFAULT_METHODS)
+        methods = parse_methods(default_methods(target_kind, opt("methods")))
+        check_target(target_kind, methods, addr=opt("addr"), tls_ca=opt("tls_ca"))
     except (WorkloadError, ValueError) as exc:
         return _error(str(exc))
+    mesh_methods = [m for m in methods if m.family == "mesh"]
+    tls_ca = None
+    if opt("tls_ca"):
+        try:
+            tls_ca = Path(opt("tls_ca")).expanduser().read_bytes()
+        except OSError as exc:
+            return _error(f"--tls-ca: cannot read {opt('tls_ca')}: {exc.strerror or exc}")
     if opt("limit"):
         items = items[: opt("limit")]
     repeats = opt("repeats") or 3
@@ -1121,10 +1675,32 @@ def run(args: argparse.Namespace) -> int:
             prepared = prepare_items(items, target, opt("max_new_tokens"))
         except (ValueError, FileNotFoundError, OSError) as exc:
             return _error(str(exc))
-        runners = [
-            make_runner(m, target, assistant=assistant, max_nodes=opt("max_nodes")) for m in methods
-        ]
-        results = execute(runners, prepared, repeats, progress=not opt("no_progress"), tokenizer=target.tokenizer)
+        if mesh_methods and not opt("addr") and not isinstance(model, str):
+            return _error("--target mesh without --addr starts a mesh for --model, which must be a model spec")
+        mesh_info: dict[str, Any] | None = None
+        with contextlib.ExitStack() as cleanup:
+            runners = [
+                make_runner(m, target, assistant=assistant, max_nodes=opt("max_nodes"))
+                for m in methods
+                if m.family != "mesh"
+            ]
+            if mesh_methods:
+                try:
+                    mesh_runners, mesh_info, measure_memory = open_mesh(
+                        cleanup, mesh_methods, model=model, threads=threads, addr=opt("addr"),
+                        api_key=opt("api_key"), tls_ca=tls_ca, max_nodes=opt("max_nodes"),
+                    )
+                except MeshError as exc:
+                    return _error(str(exc))
+                runners += mesh_runners
+            try:
+                results = execute(
+                    runners, prepared, repeats, progress=not opt("no_progress"), tokenizer=target.tokenizer
+                )
+            except MeshError as exc:
+                return _error(str(exc))
+            if mesh_info is not None and mesh_info.get("started_by_bench"):
+                mesh_info["memory"] = measure_memory()
         measure_fidelity(results)
         by_id = {p.id: p for p in prepared}
         plain = {r.item_id: r for r in results if r.method == PLAIN}
@@ -1152,7 +1728,8 @@ def run(args: argparse.Namespace) -> int:
             "step_ms": round(1e3 * target.step_seconds, 4) if cost_curve and target.step_seconds else None,
         }
         name = model if isinstance(model, str) else getattr(target, "name", "model")
-        report = BenchReport(name, threads, repeats, results, skipped, meta)
+        meta["target"] = target_kind
+        report = BenchReport(name, threads, repeats, results, skipped, meta, mesh=mesh_info)
         print(format_report(report))
         if opt("json"):
             Path(opt("json")).parent.mkdir(parents=True, exist_ok=True)

@@ -17,11 +17,16 @@ def _offline_defaults() -> None:
 
 
 def cmd_demo(args: argparse.Namespace) -> int:
-    from draftmesh.demo import run_demo
+    if args.in_process:
+        from draftmesh.demo import run_demo
 
-    cfg = config_from_args(args)
-    run_demo(cfg, repeats=args.repeats, max_new_tokens=args.max_new_tokens)
-    return 0
+        cfg = config_from_args(args, MeshConfig)  # an EngineConfig; the mesh keys go unused
+        run_demo(cfg, repeats=args.repeats, max_new_tokens=args.max_new_tokens)
+        return 0
+    from draftmesh.mesh_demo import run_mesh_demo
+
+    summary = run_mesh_demo(config_from_args(args, MeshConfig), addr=args.addr, max_new_tokens=args.max_new_tokens)
+    return 0 if summary["all_identical"] else 1
 
 
 def cmd_run(args: argparse.Namespace) -> int:
@@ -164,9 +169,11 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("-v", "--verbose", action="store_true")
     sub = parser.add_subparsers(dest="command", required=True)
 
-    demo = sub.add_parser("demo", help="stream a grounded request and compare plain vs speculative decoding")
-    add_config_arguments(demo)
-    demo.add_argument("--repeats", type=int, default=3)
+    demo = sub.add_parser("demo", help="start the mesh, send grounded, RAG and repeated requests, compare with plain")
+    add_config_arguments(demo, MeshConfig)
+    demo.add_argument("--addr", default=None, help="use a running mesh instead of starting one")
+    demo.add_argument("--in-process", action="store_true", help="no mesh: the engine in this process, medians of --repeats")
+    demo.add_argument("--repeats", type=int, default=3, help="with --in-process: interleaved runs per side")
     demo.add_argument("--max-new-tokens", type=int, default=160)
     demo.set_defaults(func=cmd_demo)
 

@@ -17,6 +17,7 @@ from typing import Any, Literal, Mapping
 import yaml
 
 Dtype = Literal["auto", "float32", "bfloat16", "float16"]
+LogLevel = Literal["DEBUG", "INFO", "WARNING", "ERROR"]
 
 
 @dataclass
@@ -88,6 +89,7 @@ class MeshConfig(EngineConfig):
     max_document_bytes: int = field(default=262144, metadata={"help": "largest inline document, in UTF-8 bytes"})
     max_stop_strings: int = field(default=8, metadata={"help": "most stop strings per request"})
     session_cache_size: int = field(default=64, metadata={"help": "sessions whose KV cache a verifier replica keeps"})
+    log_level: LogLevel = field(default="INFO", metadata={"help": "Ray Serve log level of the mesh's deployments and proxy"})
 
     def __post_init__(self) -> None:
         super().__post_init__()
@@ -100,6 +102,8 @@ class MeshConfig(EngineConfig):
                 raise ValueError(f"{name} must be >= 0, got {getattr(self, name)}")
         if not 0 < self.grpc_port < 65536:
             raise ValueError(f"grpc_port must be in 1..65535, got {self.grpc_port}")
+        if self.log_level not in typing.get_args(LogLevel):
+            raise ValueError(f"log_level must be one of {', '.join(typing.get_args(LogLevel))}, got {self.log_level!r}")
         if (self.tls_cert is None) != (self.tls_key is None):
             raise ValueError("tls_cert and tls_key must be given together")
         for name, spec in (self.remote_sources or {}).items():

@@ -79,9 +79,11 @@ def start_mesh(cfg: MeshConfig, *, ray_init: dict[str, Any] | None = None) -> Ru
         serve.start(
             grpc_options=gRPCOptions(port=proxy_port, grpc_servicer_functions=GRPC_SERVICER_FUNCTIONS),
             http_options={"host": "127.0.0.1", "port": _free_port()},
+            logging_config={"log_level": cfg.log_level},
         )
         running._cleanup.append(serve.shutdown)
-        serve.run(build_app(cfg), name=APP_NAME, route_prefix="/", blocking=False)
+        serve.run(build_app(cfg), name=APP_NAME, route_prefix="/", blocking=False,
+                  logging_config={"log_level": cfg.log_level})
         running._cleanup.append(lambda: serve.delete(APP_NAME))
         address = f"localhost:{proxy_port}"
         if tls:

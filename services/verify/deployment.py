@@ -59,6 +59,9 @@ class _Session:
 @serve.deployment(name="verifier", health_check_period_s=10, graceful_shutdown_timeout_s=5)
 class VerifierPool:
     def __init__(self, config: dict, draft_handles: Mapping[str, Any], make_decoder: DecoderFactory) -> None:
+        from transformers.utils import logging as hf_logging
+
+        hf_logging.disable_progress_bar()  # replica output goes to the driver's console
         cfg = MeshConfig(**config)
         cfg.apply_threads()
         target = TorchTarget.load(cfg.model, device=cfg.device, dtype=cfg.torch_dtype())
