@@ -244,8 +244,10 @@ def add_generate_arguments(parser: argparse.ArgumentParser) -> None:
     """The flags of `draftmesh generate`."""
     parser.add_argument(
         "prompt", nargs="?", default=None,
-        help="raw prompt text ('-' reads stdin); with --messages it is appended as a final user turn",
+        help="the prompt, sent as a user turn (chat template applied; '-' reads stdin); with --messages it is "
+        "appended as the final user turn",
     )
+    parser.add_argument("--raw", action="store_true", help="send the prompt as raw text, without the chat template")
     parser.add_argument("--addr", default=DEFAULT_ADDR, help=f"server host:port (default {DEFAULT_ADDR})")
     parser.add_argument("--stream", action="store_true", help="stream text as it is generated (Generate)")
     parser.add_argument("--messages", metavar="FILE.json", help="chat messages: a JSON list of {role, content}")
@@ -317,6 +319,8 @@ def _request_from_args(args: argparse.Namespace) -> pb.GenerateRequest:
             prompt = None
     elif prompt is None:
         raise CliError("give a prompt (or --messages FILE.json)")
+    elif not getattr(args, "raw", False):
+        messages, prompt = [{"role": "user", "content": prompt}], None
     try:
         return build_request(
             prompt,

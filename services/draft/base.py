@@ -76,6 +76,26 @@ class Proposal:
             raise ValueError(f"proposal from {self.source!r}: confidence must be >= 0")
 
 
+def advance(proposal: Proposal, committed: Sequence[int]) -> Proposal | None:
+    """The same draft after ``committed`` tokens were accepted since it was made, or None.
+
+    A late answer (a remote source that missed a step's deadline) stays useful when the
+    tokens committed meanwhile are the start of its draft: what remains drafts the next
+    step. Text drafts are dropped (their alignment was to the old context).
+    """
+    ids = proposal.token_ids
+    n = len(committed)
+    if ids is None or len(ids) <= n or tuple(ids[:n]) != tuple(committed):
+        return None
+    return Proposal(
+        proposal.source,
+        token_ids=tuple(ids[n:]),
+        token_probs=proposal.token_probs[n:] if proposal.token_probs is not None else None,
+        token_dists=proposal.token_dists[n:] if proposal.token_dists is not None else None,
+        confidence=proposal.confidence,
+    )
+
+
 @runtime_checkable
 class DraftSource(Protocol):
     """A source of drafts. ``propose`` must be cheap or be hosted remotely with a deadline."""

@@ -1,9 +1,11 @@
 """Ask a step's draft sources with a deadline: a slow or broken source is skipped, never awaited.
 
 Sources run on worker threads; the step waits at most ``deadline_s`` for all of them.
-A source that misses the deadline is counted as timed out and its late answer dropped
-(the context it answered for has moved on); while its call is still running it is
-skipped as busy, so a hung source occupies one worker and never stalls a step. Without a
+A source that misses the deadline is counted as timed out; while its call is still
+running it is skipped as busy, so a hung source occupies one worker and never stalls a
+step. Its late answer is not lost: at the next step of the same request, the token drafts
+whose start matches what was committed meanwhile are used (advanced past those tokens),
+so a source slightly slower than a step still contributes, one step behind. Without a
 deadline the sources are called inline, which is cheapest for sources measured in
 microseconds.
 """
@@ -16,9 +18,18 @@ import threading
 from dataclasses import dataclass, field
 from typing import Sequence
 
-from draftmesh.draft.base import DraftContext, DraftSource, Proposal
+from draftmesh.draft.base import DraftContext, DraftSource, Proposal, advance
 
 log = logging.getLogger(__name__)
+
+
+@dataclass
+class _Call:
+    future: cf.Future
+    request_id: str
+    token_ids: tuple[int, ...]
+    late: bool = False
+    """Missed its step's deadline: its answer may serve the request's next step."""
 
 
 @dataclass
@@ -26,6 +37,8 @@ class SourceAnswers:
     proposals: dict[str, list[Proposal]] = field(default_factory=dict)
     failed: dict[str, str] = field(default_factory=dict)
     """Source name -> "error", "timeout" or "busy"."""
+    late: set[str] = field(default_factory=set)
+    """Sources whose proposals this step come from their previous, late answer."""
 
 
 class SourceCaller:
@@ -34,7 +47,7 @@ class SourceCaller:
             raise ValueError(f"source deadline must be > 0 seconds, got {deadline_s}")
         self.deadline_s = deadline_s
         self._pool = cf.ThreadPoolExecutor(max_workers=max_workers, thread_name_prefix="draft-source") if deadline_s else None
-        self._running: dict[str, cf.Future] = {}
+        self._running: dict[str, _Call] = {}
         self._lock = threading.Lock()
 
     def call(self, sources: Sequence[DraftSource], ctx: DraftContext) -> SourceAnswers:
@@ -48,14 +61,18 @@ class SourceCaller:
                     answers.failed[source.name] = "error"
             return answers
         futures: dict[cf.Future, str] = {}
+        late_answers: dict[str, list[Proposal]] = {}
+        ids = tuple(ctx.token_ids)
         with self._lock:
             for source in sources:
                 previous = self._running.get(source.name)
-                if previous is not None and not previous.done():
+                if previous is not None and not previous.future.done():
                     answers.failed[source.name] = "busy"
                     continue
+                if previous is not None and previous.late:
+                    late_answers[source.name] = self._advance(previous, ctx)
                 future = self._pool.submit(source.propose, ctx)
-                self._running[source.name] = future
+                self._running[source.name] = _Call(future, ctx.request_id, ids)
                 futures[future] = source.name
         done, late = cf.wait(futures, timeout=self.deadline_s)
         for future in done:
@@ -67,9 +84,27 @@ class SourceCaller:
                 answers.failed[name] = "error"
         for future in late:
             name = futures[future]
+            with self._lock:
+                call = self._running.get(name)
+                if call is not None and call.future is future:
+                    call.late = True
+            if late_answers.get(name):
+                answers.proposals[name] = late_answers[name]
+                answers.late.add(name)
+                continue
             log.warning("draft source %s missed the %.0f ms deadline; skipped", name, 1e3 * self.deadline_s)
             answers.failed[name] = "timeout"
         return answers
+
+    @staticmethod
+    def _advance(call: _Call, ctx: DraftContext) -> list[Proposal]:
+        """A late answer's drafts that still apply to ``ctx`` (same request, moved on by a few tokens)."""
+        ids = tuple(ctx.token_ids)
+        n = len(call.token_ids)
+        if call.request_id != ctx.request_id or ids[:n] != call.token_ids or call.future.exception() is not None:
+            return []
+        advanced = (advance(p, ids[n:]) for p in call.future.result())
+        return [p for p in advanced if p is not None]
 
     def close(self) -> None:
         if self._pool is not None:

@@ -19,6 +19,10 @@ pytestmark = pytest.mark.timeout(60)
 WORDS = ["The", " cat", " sat", "."]
 
 
+def _prompt_of(request: pb.GenerateRequest) -> str:
+    return request.prompt or (request.messages[-1].content if request.messages else "")
+
+
 class FakeGeneration(pb_grpc.GenerationServicer):
     def __init__(self):
         self.requests: list[pb.GenerateRequest] = []
@@ -28,9 +32,9 @@ class FakeGeneration(pb_grpc.GenerationServicer):
         md = dict(context.invocation_metadata())
         self.requests.append(request)
         self.metadata.append(md)
-        if request.prompt == "bad":
+        if _prompt_of(request) == "bad":
             context.abort(grpc.StatusCode.INVALID_ARGUMENT, "max_new_tokens: must be >= 1")
-        if request.prompt == "boom":
+        if _prompt_of(request) == "boom":
             context.abort(grpc.StatusCode.RESOURCE_EXHAUSTED, "server busy")
         return md
 
@@ -55,7 +59,7 @@ class FakeGeneration(pb_grpc.GenerationServicer):
 
     def Generate(self, request, context):
         md = self._enter(request, context)
-        if request.prompt == "noresult":
+        if _prompt_of(request) == "noresult":
             yield pb.GenerateResponse(delta=pb.GenerateDelta(text="x"))
             return
         for i, word in enumerate(WORDS):
@@ -200,7 +204,7 @@ def test_cli_stream_prints_deltas_and_stats(upstream, capsys, tmp_path):
     assert "3 from session cache" in err
 
     req = servicer.requests[-1]
-    assert req.prompt == "Tell me"
+    assert not req.prompt and [(m.role, m.content) for m in req.messages] == [("user", "Tell me")]
     assert req.max_new_tokens == 16 and req.top_k == 5 and req.seed == 3
     assert list(req.stop) == [b"END", b"\n\n"]
     assert req.session_id == "s9"
@@ -272,3 +276,13 @@ def test_format_stats_marks_lossy_results():
                                usage=pb.Usage(completion_tokens=8, steps=4), seconds=0.0)
     text = format_stats(result, wall_s=2.0)
     assert "LOSSY, 4 lenient tokens" in text and "tok/s: 4.0" in text and "steps: 4" in text
+
+
+def test_cli_raw_sends_the_prompt_without_chat_template():
+    from draftmesh.client import _request_from_args
+
+    args = _parse(["--raw", "Fix: teh cat"])
+    req = _request_from_args(args)
+    assert req.prompt == "Fix: teh cat" and not req.messages
+    chat_req = _request_from_args(_parse(["Fix: teh cat"]))
+    assert not chat_req.prompt and chat_req.messages[0].content == "Fix: teh cat"

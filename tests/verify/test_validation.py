@@ -114,3 +114,48 @@ def test_source_names_must_be_unique(decoder):
 
     with pytest.raises(ValueError, match="unique"):
         SpeculativeDecoder(decoder.target, [PromptLookupSource(), PromptLookupSource()])
+
+
+def test_a_late_answer_drafts_the_next_step_of_the_same_request(decoder):
+    """A source slower than the step deadline still contributes, one step behind."""
+    import time
+
+    req = GenerationRequest((1, 2, 3), max_new_tokens=24)
+    want = decoder.generate(req).token_ids
+
+    class SlowOracle:
+        """Knows the answer but always answers after the deadline."""
+
+        name = "slow"
+
+        def propose(self, ctx):
+            time.sleep(0.07)
+            done = len(ctx.token_ids) - ctx.prompt_len
+            return [Proposal("slow", token_ids=tuple(want[done : done + 12]))]
+
+    class Pacer:
+        """Makes every step last 30 ms, like a real model's forward."""
+
+        name = "pacer"
+
+        def propose(self, ctx):
+            time.sleep(0.03)
+            return []
+
+    spec = SpeculativeDecoder(decoder.target, [SlowOracle(), Pacer()], source_deadline_s=0.05)
+    got = spec.generate(req)
+    assert got.token_ids == want
+    stats = got.source_stats()["slow"]
+    assert stats["accepted"] > 0  # only late answers can have been accepted
+    assert stats["failed_steps"] >= 1  # the first step had nothing to fall back on
+
+
+def test_advance_drops_drafts_that_no_longer_apply():
+    from draftmesh.draft.base import advance
+
+    p = Proposal("x", token_ids=(5, 6, 7, 8), token_probs=(0.9, 0.8, 0.7, 0.6))
+    moved = advance(p, (5, 6))
+    assert moved.token_ids == (7, 8) and moved.token_probs == (0.7, 0.6)
+    assert advance(p, (5, 9)) is None  # the target went elsewhere
+    assert advance(p, (5, 6, 7, 8)) is None  # nothing left to draft
+    assert advance(Proposal("x", text="hello"), ()) is None
