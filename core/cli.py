@@ -141,9 +141,10 @@ def cmd_serve(args: argparse.Namespace) -> int:
     from draftmesh.router.launcher import start_mesh
 
     cfg = config_from_args(args, MeshConfig)
+    mesh = start_mesh(cfg)
+    # After ray.init, which installs its own SIGTERM handler (it would exit without cleanup).
     stop = threading.Event()
     previous = {sig: signal.signal(sig, lambda *_: stop.set()) for sig in (signal.SIGTERM, signal.SIGINT)}
-    mesh = start_mesh(cfg)
     try:
         tls = " with TLS" if cfg.tls_cert else ""
         auth = f", {len(cfg.api_keys)} API key(s)" if cfg.api_keys else ""

@@ -4,6 +4,7 @@ end-to-end run on a tiny random-weight model (no real model, nothing downloaded)
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import math
 
@@ -508,3 +509,375 @@ def test_edit_distance_and_fidelity():
     measure_fidelity([plain, lossy])
     assert lossy.same_as_plain is False and lossy.edit_distance == pytest.approx(0.25)
     assert plain.same_as_plain is None
+
+
+# ---------------------------------------------------------------------- --target mesh (no Ray here)
+def test_parse_mesh_methods():
+    methods = parse_methods("mesh:draftmesh,mesh:plain", available=["history"], defaults=["history"])
+    assert [m.name for m in methods] == ["plain", "mesh:draftmesh", "mesh:plain"]
+    mesh = {m.name: m for m in methods}
+    assert mesh["mesh:plain"].family == "mesh" and mesh["mesh:plain"].sources == ()
+    assert mesh["mesh:draftmesh"].family == "mesh" and mesh["mesh:draftmesh"].sources is None
+    assert all(m.lossless for m in methods)
+    with pytest.raises(ValueError, match="unknown method 'mesh:nope'") as info:
+        parse_methods("mesh:nope", available=["history"], defaults=["history"])
+    assert "mesh:plain" in str(info.value) and "mesh:draftmesh" in str(info.value)
+    with pytest.raises(ValueError, match="draftmesh methods only"):
+        parse_methods("mesh:draftmesh+typical", available=["history"], defaults=["history"])
+    with pytest.raises(ValueError, match="use make_mesh_runners"):
+        bench.make_runner(mesh["mesh:plain"], None)
+
+
+def test_default_methods_follow_the_target():
+    args = parse(["--workload", "w.jsonl", "--target", "mesh"])
+    assert args.target == "mesh" and args.methods is None and args.addr is None
+    text = bench.default_methods(args.target, args.methods)
+    assert text == bench.DEFAULT_MESH_METHODS
+    assert [m.name for m in parse_methods(text)] == ["plain", "draftmesh", "mesh:plain", "mesh:draftmesh"]
+    local = parse(["--workload", "w.jsonl"])
+    assert local.target == "local" and bench.default_methods(local.target, local.methods) == bench.DEFAULT_METHODS
+    assert bench.default_methods("mesh", "plain,mesh:plain") == "plain,mesh:plain"  # an explicit list wins
+    with pytest.raises(SystemExit):
+        parse(["--workload", "w.jsonl", "--target", "cloud"])
+
+
+def test_check_target_rejects_flags_that_do_not_fit():
+    local = parse_methods("plain,draftmesh")
+    mesh = parse_methods("plain,mesh:plain")
+    bench.check_target("local", local)
+    bench.check_target("mesh", mesh, addr="h:1", tls_ca="ca.pem")
+    with pytest.raises(ValueError, match="mesh:plain run through the mesh: add --target mesh"):
+        bench.check_target("local", mesh)
+    with pytest.raises(ValueError, match="--addr and --tls-ca need --target mesh"):
+        bench.check_target("local", local, addr="h:1")
+    with pytest.raises(ValueError, match="needs a mesh method"):
+        bench.check_target("mesh", local)
+    with pytest.raises(ValueError, match="--tls-ca applies to a mesh given with --addr"):
+        bench.check_target("mesh", mesh, tls_ca="ca.pem")
+
+
+@pytest.mark.parametrize(
+    "argv, needle",
+    [
+        (["--methods", "plain,mesh:plain"], "add --target mesh"),
+        (["--target", "mesh"], "must be a model spec"),  # a mesh is started for --model: a TorchTarget cannot be
+        (["--target", "mesh", "--addr", "h:1", "--tls-ca", "/nonexistent/ca.pem"], "--tls-ca: cannot read"),
+    ],
+)
+def test_run_rejects_bad_mesh_setups(tmp_path, tiny_llama, capsys, argv, needle):
+    args = parse(["--workload", str(workload_file(tmp_path)), "--no-progress", *argv])
+    args.model = tiny_llama
+    assert bench.run(args) == 2
+    assert needle in capsys.readouterr().err
+
+
+def test_item_order_runs_mesh_plain_after_mesh_draftmesh():
+    class R:
+        def __init__(self, name, run_after=None):
+            self.name, self.run_after = name, run_after
+
+    runners = [R("plain"), R("draftmesh"), R("mesh:plain", run_after="mesh:draftmesh"), R("mesh:draftmesh")]
+    orders = [[r.name for r in bench.item_order(runners, shift)] for shift in range(4)]
+    assert orders == [
+        ["plain", "draftmesh", "mesh:draftmesh", "mesh:plain"],
+        ["draftmesh", "mesh:draftmesh", "mesh:plain", "plain"],
+        ["mesh:draftmesh", "mesh:plain", "plain", "draftmesh"],  # moved behind mesh:draftmesh
+        ["mesh:draftmesh", "plain", "draftmesh", "mesh:plain"],  # the rotation is already fine
+    ]
+    for order in orders:
+        assert order.index("mesh:draftmesh") < order.index("mesh:plain")
+    # without the constraint it is the plain rotation
+    plain_rotation = [R("plain"), R("a"), R("b")]
+    assert [r.name for r in bench.item_order(plain_rotation, 1)] == ["a", "b", "plain"]
+
+
+def mesh_pair_results():
+    """Two items; per item: in-process and mesh runs of plain and draftmesh (one repeat, except noted)."""
+
+    def run(item, method, n, seconds, steps, first, draft=0.0, verify=0.0):
+        return ItemRun(item, "k", method, list(range(n)), seconds, steps=steps, draft_s=draft, verify_s=verify,
+                       first_token_s=first)
+
+    return [
+        # item a: 20 tokens
+        result("a", "plain", [run("a", "plain", 20, 2.0, 20, 0.10, verify=1.8)]),
+        result("a", "draftmesh", [run("a", "draftmesh", 20, 1.0, 10, 0.12, draft=0.05, verify=0.85)]),
+        result("a", "mesh:plain", [run("a", "mesh:plain", 20, 2.5, 20, 0.20, verify=1.9)]),
+        # three repeats: median time 1.2 s, its run has 10 steps; first token median 0.3
+        result("a", "mesh:draftmesh", [run("a", "mesh:draftmesh", 20, 1.4, 10, 0.5, draft=0.1, verify=1.0),
+                                       run("a", "mesh:draftmesh", 20, 1.2, 10, 0.3, draft=0.05, verify=0.95),
+                                       run("a", "mesh:draftmesh", 20, 1.1, 10, 0.2, draft=0.05, verify=0.9)]),
+        # item b: 10 tokens
+        result("b", "plain", [run("b", "plain", 10, 1.0, 10, 0.30, verify=0.9)]),
+        result("b", "draftmesh", [run("b", "draftmesh", 10, 1.0, 10, 0.32, verify=0.9)]),
+        result("b", "mesh:plain", [run("b", "mesh:plain", 10, 1.0, 10, 0.40, verify=0.9)]),
+        result("b", "mesh:draftmesh", [run("b", "mesh:draftmesh", 10, 0.5, 5, 0.1, verify=0.4)]),
+    ]
+
+
+def test_mesh_summary_maths():
+    results = mesh_pair_results()
+    check_identical(results)
+    pairs = bench.mesh_summary(results)
+    assert list(pairs) == ["mesh:draftmesh", "mesh:plain"]
+    dm, pl = pairs["mesh:draftmesh"], pairs["mesh:plain"]
+    assert dm["reference"] == "draftmesh" and pl["reference"] == "plain"
+    assert dm["items"] == 2 and dm["identical"] == 2 and dm["mismatches"] == 0
+    # tokens/s ratio: geometric mean of per-item ratios of the median times:
+    # a: (20/1.2) / (20/1.0) = 1/1.2; b: (10/0.5) / (10/1.0) = 2
+    assert dm["tokens_per_s_ratio"] == pytest.approx(math.sqrt(2 / 1.2), abs=1e-4)
+    assert pl["tokens_per_s_ratio"] == pytest.approx(math.sqrt((2.0 / 2.5) * 1.0), abs=1e-4)
+    # first token: median over items of each item's median over repeats
+    assert dm["first_token_ms"]["mesh"] == pytest.approx((300 + 100) / 2)
+    assert dm["first_token_ms"]["local"] == pytest.approx((120 + 320) / 2)
+    assert pl["first_token_ms"] == {"mesh": pytest.approx(300.0), "local": pytest.approx(200.0)}
+    # overhead per step: median over items of (mesh s - local s) / mesh steps, in ms
+    # a: (1.2 - 1.0) / 10 = 20 ms; b: (0.5 - 1.0) / 5 = -100 ms
+    assert dm["overhead_ms_per_step"] == pytest.approx((20 - 100) / 2)
+    # plain a: (2.5 - 2.0) / 20 = 25 ms; b: 0 ms
+    assert pl["overhead_ms_per_step"] == pytest.approx(12.5)
+    # compute per step (draft + verify of the representative run): a mesh (0.05 + 0.95) / 10 = 100 ms
+    assert dm["compute_ms_per_step"]["mesh"] == pytest.approx((100 + 80) / 2)
+    assert dm["compute_ms_per_step"]["local"] == pytest.approx((90 + 90) / 2)
+    assert dm["mean_accepted_per_step"] == {"mesh": pytest.approx(2.0), "local": pytest.approx(1.5)}
+    # only pairs whose mesh method ran
+    only_plain = [r for r in results if r.method != "mesh:draftmesh"]
+    assert list(bench.mesh_summary(only_plain)) == ["mesh:plain"]
+    assert bench.mesh_summary([r for r in results if not r.method.startswith("mesh:")]) == {}
+
+
+def test_mesh_report_json_and_table(tmp_path):
+    results = mesh_pair_results()
+    check_identical(results)
+    info = {"address": "localhost:1", "started_by_bench": True, "started_s": 12.5, "mesh_state_reset": True,
+            "memory": {"rss_mb": 2048.0, "pss_mb": 1024.0, "processes": 12}}
+    report = bench.BenchReport("m", 2, 1, results, mesh=info)
+    data = json.loads(json.dumps(bench.report_to_json(report)))
+    assert data["mesh"]["started_s"] == 12.5 and data["mesh"]["memory"]["rss_mb"] == 2048.0
+    assert set(data["mesh"]["pairs"]) == {"mesh:draftmesh", "mesh:plain"}
+    recs = {(r["id"], r["method"]): r for r in data["items"]}
+    assert recs[("a", "mesh:draftmesh")]["first_token_ms"] == pytest.approx(300.0)
+    assert recs[("a", "plain")]["first_token_ms"] == pytest.approx(100.0)
+    assert data["summary"]["mesh:draftmesh"]["all"]["first_token_ms"] == pytest.approx(200.0)
+    text = bench.format_report(report)
+    assert "mesh vs in-process (mesh started in 12.5s; mesh memory RSS 2.00 GiB, PSS 1.00 GiB in 12 processes)" in text
+    row = next(line for line in text.splitlines() if line.startswith("mesh:draftmesh  draftmesh"))
+    assert "1.29x" in row and "200.0 / 220.0" in row and "-40.00" in row
+    # without mesh methods: no "mesh" key, no mesh table
+    local = bench.BenchReport("m", 2, 1, [r for r in results if not r.method.startswith("mesh:")])
+    assert "mesh" not in bench.report_to_json(local) and "mesh vs in-process" not in bench.format_report(local)
+    # a mesh the bench did not start
+    info = {"address": "h:9", "started_by_bench": False, "mesh_state_reset": False}
+    text = bench.format_report(bench.BenchReport("m", 2, 1, results, mesh=info))
+    assert "mesh at h:9; mesh state NOT reset between passes" in text
+
+
+# a tiny gRPC Generation server scripted per test
+class ScriptedGeneration:
+    """Streams: an empty delta (a step that committed nothing visible yet), then one delta per
+    token group, then the result; sleeps ``pause`` before every delta."""
+
+    def __init__(self, groups=((5, 6), (7,)), prompt_tokens=12, pause=0.03, abort=None):
+        self.groups, self.prompt_tokens, self.pause, self.abort = groups, prompt_tokens, pause, abort
+        self.requests = []
+
+    def Generate(self, request, context):
+        import time as _time
+
+        import grpc
+
+        from draftmesh.v1 import generation_pb2 as pb
+
+        self.requests.append(request)
+        if self.abort:
+            context.abort(grpc.StatusCode.INVALID_ARGUMENT, self.abort)
+        step = 0
+        for group in ((), *self.groups):
+            _time.sleep(self.pause)
+            step += 1
+            stats = pb.StepStats(step=step, draft_ms=1.5, verify_ms=10.0, emitted=len(group))
+            yield pb.GenerateResponse(delta=pb.GenerateDelta(text="x" * len(group), token_ids=list(group), stats=stats))
+        tokens = [t for g in self.groups for t in g]
+        yield pb.GenerateResponse(result=pb.GenerateResult(
+            text="w5 w6 w7", token_ids=tokens, finish_reason="length", lossless=True, policy="exact",
+            usage=pb.Usage(prompt_tokens=self.prompt_tokens, completion_tokens=len(tokens), steps=step,
+                           cached_prompt_tokens=4),
+            sources=[pb.SourceStats(source="history", nodes=9, accepted_tokens=2, acceptance=0.2)],
+        ))
+
+    def Complete(self, request, context):  # pragma: no cover - the bench streams
+        raise NotImplementedError
+
+
+@contextlib.contextmanager
+def serve_generation(servicer):
+    from concurrent import futures
+
+    import grpc
+
+    from draftmesh.v1 import generation_pb2_grpc as pb_grpc
+
+    server = grpc.server(futures.ThreadPoolExecutor(max_workers=4))
+    pb_grpc.add_GenerationServicer_to_server(servicer, server)
+    port = server.add_insecure_port("127.0.0.1:0")
+    server.start()
+    try:
+        yield f"127.0.0.1:{port}"
+    finally:
+        server.stop(0)
+
+
+def work_item(**kw):
+    base = dict(id="it", kind="k", max_new_tokens=3)
+    base.update(kw)
+    return PreparedItem(WorkItem(**base), tuple(range(2, 14)), base["max_new_tokens"])
+
+
+def test_mesh_runner_builds_requests_from_work_items():
+    from draftmesh.client import MeshClient
+
+    servicer = ScriptedGeneration(pause=0.0)
+    messages = ({"role": "system", "content": "Be brief."}, {"role": "user", "content": "Hi"})
+    with serve_generation(servicer) as addr, MeshClient(addr) as client:
+        dm = bench.MeshRunner("mesh:draftmesh", client, speculate=True, max_nodes=7)
+        pl = bench.MeshRunner("mesh:plain", client, speculate=False, session_suffix="#p")
+        dm.run(work_item(messages=messages, corpus=("doc one", "doc two"), session="chat-1", max_new_tokens=3))
+        pl.run(work_item(prompt="w2 w3 w4", session="chat-1", max_new_tokens=5))
+        pl.run(work_item(prompt="w2 w3 w4"))
+    r1, r2, r3 = servicer.requests
+    assert [(m.role, m.content) for m in r1.messages] == [("system", "Be brief."), ("user", "Hi")] and not r1.prompt
+    assert [d.text for d in r1.documents] == ["doc one", "doc two"]
+    assert r1.session_id == "chat-1" and r1.max_new_tokens == 3
+    assert not r1.speculation.HasField("enabled")  # the mesh's default speculation
+    assert r1.speculation.max_nodes == 7
+    assert r2.prompt == "w2 w3 w4" and not r2.messages and not r2.documents
+    assert r2.speculation.HasField("enabled") and r2.speculation.enabled is False
+    assert not r2.speculation.HasField("max_nodes")
+    assert r2.session_id == "chat-1#p" and r2.max_new_tokens == 5
+    assert r3.session_id == ""
+
+
+def test_mesh_runner_timing_steps_and_stats():
+    from draftmesh.client import MeshClient
+
+    servicer = ScriptedGeneration(groups=((5, 6), (7,)), pause=0.05)
+    with serve_generation(servicer) as addr, MeshClient(addr) as client:
+        runner = bench.MeshRunner("mesh:draftmesh", client)
+        run = runner.run(work_item(prompt="w2"))
+    assert run.method == "mesh:draftmesh" and run.item_id == "it"
+    assert run.token_ids == [5, 6, 7] and run.text == "w5 w6 w7"
+    assert run.steps == 3  # every delta is a step, the empty first one included
+    # the first delta carrying tokens is the second one: two pauses in
+    assert 0.09 <= run.first_token_s < run.seconds
+    assert run.seconds >= 0.14
+    assert run.draft_s == pytest.approx(3 * 1.5e-3, rel=1e-3) and run.verify_s == pytest.approx(3 * 0.010, rel=1e-3)
+    assert run.prompt_tokens == 12 and run.cached_prompt_tokens == 4 and run.lenient_tokens == 0
+    st = run.sources["history"]
+    assert (st.proposals, st.proposed_tokens, st.accepted_tokens) == (0, 0, 2)  # no proposals through the API
+
+
+def test_mesh_runner_checks_the_prompt_tokens_and_reports_rpc_errors():
+    from draftmesh.client import MeshClient
+
+    with serve_generation(ScriptedGeneration(prompt_tokens=11, pause=0.0)) as addr, MeshClient(addr) as client:
+        runner = bench.MeshRunner("mesh:plain", client, speculate=False)
+        with pytest.raises(bench.MeshError, match=r"rendered the raw prompt text to 11 prompt tokens, the bench to 12"):
+            runner.run(work_item(prompt="w2"))
+        with pytest.raises(bench.MeshError, match="chat messages"):
+            runner.run(work_item(messages=({"role": "user", "content": "hi"},)))
+    with serve_generation(ScriptedGeneration(abort="prompt: too long")) as addr, MeshClient(addr) as client:
+        with pytest.raises(bench.MeshError, match="mesh:plain: item 'it'.*INVALID_ARGUMENT: prompt: too long"):
+            bench.MeshRunner("mesh:plain", client, speculate=False).run(work_item(prompt="w2"))
+
+
+def test_mesh_runner_reset_calls_the_resetter_and_runners_share_one_client():
+    calls = []
+    methods = parse_methods("mesh:plain,mesh:draftmesh", available=["history"], defaults=["history"])
+    client = object()
+    runners = bench.make_mesh_runners(methods, client, resetter=lambda: calls.append(1), max_nodes=9)
+    assert [r.name for r in runners] == ["mesh:plain", "mesh:draftmesh"]
+    pl, dm = runners
+    assert pl.client is dm.client is client
+    assert pl.speculate is False and dm.speculate is True and dm.max_nodes == 9
+    assert pl.run_after == "mesh:draftmesh" and dm.run_after is None
+    assert pl.session_suffix and not dm.session_suffix
+    for r in runners:
+        r.reset()
+    assert calls == [1, 1]
+    bench.MeshRunner("mesh:plain", client).reset()  # no resetter: nothing to do (a mesh not ours)
+    alone = bench.make_mesh_runners(methods[:2], client)
+    assert alone[0].run_after is None  # no mesh:draftmesh to wait for
+
+
+class EngineGeneration:
+    """A Generation server that really decodes with a tiny target, as a verifier replica does:
+    one decoder shared by every request (like the mesh), rendering prompts with draftmesh.prompts."""
+
+    def __init__(self, target):
+        from draftmesh.router.engine import build_decoder
+
+        self.target = target
+        self.decoder = build_decoder(target)
+        self.requests = []
+
+    def Generate(self, request, context):
+        from draftmesh.prompts import encode_messages, encode_prompt
+        from draftmesh.router.responses import result_to_proto, step_to_proto
+        from draftmesh.v1 import generation_pb2 as pb
+        from draftmesh.verify.decoder import GenerationRequest, GenerationResult
+
+        self.requests.append(request)
+        tok = self.target.tokenizer
+        if request.messages:
+            ids = encode_messages(tok, [{"role": m.role, "content": m.content} for m in request.messages])
+        else:
+            ids = encode_prompt(tok, request.prompt)
+        spec = request.speculation
+        req = GenerationRequest(
+            tuple(ids), max_new_tokens=request.max_new_tokens, session_id=request.session_id or None,
+            documents=tuple(d.text for d in request.documents),
+            speculate=spec.enabled if spec.HasField("enabled") else True,
+        )
+        step = 0
+        for event in self.decoder.stream(req):
+            if isinstance(event, GenerationResult):
+                yield pb.GenerateResponse(result=result_to_proto(event, "r", "fake"))
+            else:
+                step += 1
+                yield step_to_proto(step, event)
+
+    def Complete(self, request, context):  # pragma: no cover - the bench streams
+        raise NotImplementedError
+
+
+def test_run_target_mesh_with_addr_end_to_end_on_a_tiny_model(tmp_path, tiny_llama, capsys):
+    out_json = tmp_path / "out.json"
+    servicer = EngineGeneration(tiny_llama)
+    with serve_generation(servicer) as addr:
+        args = parse([
+            "--workload", str(workload_file(tmp_path)), "--target", "mesh", "--addr", addr,
+            "--repeats", "2", "--threads", "1", "--json", str(out_json), "--no-progress", "--no-cost-curve",
+        ])
+        args.model = tiny_llama
+        assert bench.run(args) == 0
+    captured = capsys.readouterr()
+    assert "not started by the bench" in captured.err and "carries over between passes" in captured.err
+    assert "mesh vs in-process (mesh at " in captured.out
+    data = json.loads(out_json.read_text())
+    assert data["target"] == "mesh"
+    assert data["methods"] == ["plain", "draftmesh", "mesh:plain", "mesh:draftmesh"]
+    check_json_shape(data, data["methods"], ["grounded", "open"])
+    # identity: every mesh method token for token equal to in-process plain
+    mesh_items = [r for r in data["items"] if r["method"].startswith("mesh:")]
+    assert len(mesh_items) == 2 * 4 and all(r["identical_to_plain"] is True for r in mesh_items)
+    assert all(r["first_token_ms"] > 0 for r in data["items"])
+    mesh = data["mesh"]
+    assert mesh["started_by_bench"] is False and mesh["mesh_state_reset"] is False
+    assert mesh["address"] == addr and mesh["started_s"] is None and mesh["memory"] is None
+    assert set(mesh["pairs"]) == {"mesh:plain", "mesh:draftmesh"}
+    assert mesh["pairs"]["mesh:plain"]["mean_accepted_per_step"]["mesh"] == pytest.approx(1.0)
+    # warm-up + 2 passes x 4 items, for each of the two mesh methods
+    assert len(servicer.requests) == 2 * (1 + 2 * 4)
+    plain_reqs = [r for r in servicer.requests if r.speculation.HasField("enabled")]
+    assert plain_reqs and all(not r.speculation.enabled for r in plain_reqs)
+    assert {r.session_id for r in plain_reqs} - {""} == {"s#mesh-plain"}
