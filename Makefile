@@ -10,11 +10,12 @@ TORCH_PIP_ARGS ?=
 STAMP := $(VENV)/.draftmesh-setup
 PYTEST_ARGS ?=
 
-.PHONY: setup models test test-fast demo bench clean
+.PHONY: setup models test test-fast demo serve bench clean
 
 setup: $(STAMP)
 
-$(STAMP): pyproject.toml Makefile
+# setup.py generates the gRPC stubs from the protos during the editable install.
+$(STAMP): pyproject.toml setup.py Makefile $(wildcard protos/draftmesh/v1/*.proto)
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
 	$(PIP) install -q --upgrade pip
 	$(PIP) install -q $(TORCH_PIP_ARGS) "$(TORCH_SPEC)"
@@ -38,9 +39,13 @@ test-fast: setup
 demo: models
 	$(PY) -m draftmesh.cli demo --threads 2 --log-level WARNING
 
+serve: models
+	$(PY) -m draftmesh.cli serve $(SERVE_ARGS)
+
 bench: models
 	$(PY) -m draftmesh.cli bench --workload bench/public.jsonl --threads 2 --repeats 3 \
 		--json out/bench.json --plot out/bench.png
 
 clean:
-	rm -rf $(VENV) build *.egg-info out
+	rm -rf $(VENV) build *.egg-info out protos/draftmesh/__init__.py protos/draftmesh/v1/__init__.py \
+		protos/draftmesh/v1/*_pb2.py protos/draftmesh/v1/*_pb2.pyi protos/draftmesh/v1/*_pb2_grpc.py

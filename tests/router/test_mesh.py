@@ -336,3 +336,28 @@ def test_concurrent_clients_get_correct_outputs_and_excess_is_refused(stub, engi
     assert set(codes) <= {grpc.StatusCode.OK, grpc.StatusCode.RESOURCE_EXHAUSTED}, codes
     assert codes.count(grpc.StatusCode.OK) >= 8
     assert wait_idle()["active"] == 0
+
+
+# ---------------------------------------------------------------------------- losing a replica (keep last)
+def test_a_lost_verifier_replica_fails_its_request_cleanly_and_the_session_is_recomputed(stub, engine):
+    import ray
+
+    text = "Name three primary colours."
+    first = stub.Complete(chat(text, 16, session_id="sess-lost"), metadata=AUTH, timeout=120)
+    names = [a for a in ray.util.list_named_actors(all_namespaces=True)
+             if "verifier" in a["name"] and a["name"].startswith("SERVE_REPLICA")]
+    assert len(names) == 1, names
+    replica = ray.get_actor(names[0]["name"], namespace=names[0]["namespace"])
+
+    call = stub.Generate(chat("Write a long essay about the history of the bicycle.", 2000), metadata=AUTH, timeout=120)
+    next(call)  # decoding on the replica we are about to lose
+    ray.kill(replica, no_restart=True)
+    with pytest.raises(grpc.RpcError) as info:
+        for _ in call:
+            pass
+    assert info.value.code() == grpc.StatusCode.UNAVAILABLE, info.value.details()
+
+    # Serve replaces the replica; the session's KV is gone, so it is recomputed: same output.
+    again = stub.Complete(chat(text, 16, session_id="sess-lost"), metadata=AUTH, timeout=300)
+    assert list(again.token_ids) == list(first.token_ids) == in_process(engine, text, 16).token_ids
+    assert again.replica != first.replica
