@@ -67,6 +67,7 @@ ALL_KINDS = "all"
 WARMUP_TOKENS = 8
 
 EXIT_OK, EXIT_MISMATCH, EXIT_USAGE = 0, 1, 2
+EXIT_INTERRUPTED = 130
 
 
 # ====================================================================== methods
@@ -1599,7 +1600,8 @@ def open_mesh(
     from draftmesh.config import MeshConfig
     from draftmesh.router.launcher import start_mesh
 
-    cfg_args: dict[str, Any] = {"model": model, "threads": threads, "grpc_port": _free_port()}
+    # Serve's per-request INFO lines would bury the progress bar and the tables
+    cfg_args: dict[str, Any] = {"model": model, "threads": threads, "grpc_port": _free_port(), "log_level": "WARNING"}
     if max_nodes is not None:
         cfg_args["max_nodes"] = max_nodes
     embedded_redis = not os.environ.get("REDIS_URL")
@@ -1678,29 +1680,34 @@ def run(args: argparse.Namespace) -> int:
         if mesh_methods and not opt("addr") and not isinstance(model, str):
             return _error("--target mesh without --addr starts a mesh for --model, which must be a model spec")
         mesh_info: dict[str, Any] | None = None
-        with contextlib.ExitStack() as cleanup:
-            runners = [
-                make_runner(m, target, assistant=assistant, max_nodes=opt("max_nodes"))
-                for m in methods
-                if m.family != "mesh"
-            ]
-            if mesh_methods:
+        try:
+            with contextlib.ExitStack() as cleanup:
+                runners = [
+                    make_runner(m, target, assistant=assistant, max_nodes=opt("max_nodes"))
+                    for m in methods
+                    if m.family != "mesh"
+                ]
+                if mesh_methods:
+                    try:
+                        mesh_runners, mesh_info, measure_memory = open_mesh(
+                            cleanup, mesh_methods, model=model, threads=threads, addr=opt("addr"),
+                            api_key=opt("api_key"), tls_ca=tls_ca, max_nodes=opt("max_nodes"),
+                        )
+                    except MeshError as exc:
+                        return _error(str(exc))
+                    runners += mesh_runners
                 try:
-                    mesh_runners, mesh_info, measure_memory = open_mesh(
-                        cleanup, mesh_methods, model=model, threads=threads, addr=opt("addr"),
-                        api_key=opt("api_key"), tls_ca=tls_ca, max_nodes=opt("max_nodes"),
+                    results = execute(
+                        runners, prepared, repeats, progress=not opt("no_progress"), tokenizer=target.tokenizer
                     )
                 except MeshError as exc:
                     return _error(str(exc))
-                runners += mesh_runners
-            try:
-                results = execute(
-                    runners, prepared, repeats, progress=not opt("no_progress"), tokenizer=target.tokenizer
-                )
-            except MeshError as exc:
-                return _error(str(exc))
-            if mesh_info is not None and mesh_info.get("started_by_bench"):
-                mesh_info["memory"] = measure_memory()
+                if mesh_info is not None and mesh_info.get("started_by_bench"):
+                    mesh_info["memory"] = measure_memory()
+        except KeyboardInterrupt:
+            stopped = " (the mesh it started is stopped)" if mesh_methods and not opt("addr") else ""
+            print(f"draftmesh bench: interrupted{stopped}", file=sys.stderr)
+            return EXIT_INTERRUPTED
         measure_fidelity(results)
         by_id = {p.id: p for p in prepared}
         plain = {r.item_id: r for r in results if r.method == PLAIN}

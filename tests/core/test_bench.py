@@ -562,9 +562,16 @@ def test_check_target_rejects_flags_that_do_not_fit():
         (["--methods", "plain,mesh:plain"], "add --target mesh"),
         (["--target", "mesh"], "must be a model spec"),  # a mesh is started for --model: a TorchTarget cannot be
         (["--target", "mesh", "--addr", "h:1", "--tls-ca", "/nonexistent/ca.pem"], "--tls-ca: cannot read"),
+        (["--target", "mesh", "--addr", "127.0.0.1:{closed}"], "answered UNAVAILABLE"),  # nothing listens
     ],
 )
 def test_run_rejects_bad_mesh_setups(tmp_path, tiny_llama, capsys, argv, needle):
+    import socket
+
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        closed = sock.getsockname()[1]
+    argv = [a.format(closed=closed) for a in argv]
     args = parse(["--workload", str(workload_file(tmp_path)), "--no-progress", *argv])
     args.model = tiny_llama
     assert bench.run(args) == 2
