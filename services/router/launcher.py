@@ -63,6 +63,9 @@ def start_mesh(cfg: MeshConfig, *, ray_init: dict[str, Any] | None = None) -> Ru
             running._cleanup.append(redis.stop)
             redis_url = redis.url
             log.info("embedded redis-server at %s", redis_url)
+            if cfg.address is not None:
+                log.warning("the embedded redis-server listens on this machine's loopback only; replicas on "
+                            "other nodes of %s cannot reach it: set REDIS_URL for a multi-node cluster", cfg.address)
         cfg = dataclasses.replace(cfg, redis_url=redis_url)
         running.config = cfg
 
