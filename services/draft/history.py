@@ -308,19 +308,14 @@ class HistorySource:
         *,
         max_proposals: int = 6,
         max_tokens: int = 16,
-        min_ngram: int = 1,
+        min_ngram: int = 2,
         max_ngram: int = 8,
-        answer_min_ngram: int = 2,
         max_near: int = 2,
         max_requests: int = 256,
     ) -> None:
         self.store: AnswerStore = store if store is not None else InMemoryAnswerStore()
         self.max_proposals, self.max_tokens = max_proposals, max_tokens
-        # One token of context is enough to find where a copy resumes in the prompt (its
-        # confidence is 1/max_ngram, so the builder trusts it only as far as it is
-        # measured to pay); a remembered answer is realigned on two, since a single
-        # common token would often jump to the wrong place in it.
-        self.min_ngram, self.max_ngram, self.answer_min_ngram = min_ngram, max_ngram, max(min_ngram, answer_min_ngram)
+        self.min_ngram, self.max_ngram = min_ngram, max_ngram
         self.max_near, self.max_requests = max_near, max_requests
         self._requests: OrderedDict[str, _RequestState] = OrderedDict()
         self._lock = threading.Lock()
@@ -380,7 +375,7 @@ class HistorySource:
         for near in self.store.near(prompt, limit=self.max_near):
             if near.output_ids and near.similarity > answers.get(near.output_ids, 0.0):
                 answers[near.output_ids] = near.similarity
-        tracks = [_AnswerTrack(a, w, self.answer_min_ngram, self.max_ngram) for a, w in answers.items()]
+        tracks = [_AnswerTrack(a, w, self.min_ngram, self.max_ngram) for a, w in answers.items()]
         return _RequestState(ctx.prompt_len, SuffixIndex(ctx.token_ids, **ngrams), session, tracks)
 
 

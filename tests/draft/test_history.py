@@ -50,17 +50,6 @@ def test_prompt_lookup_continues_a_code_block(encode):
     assert proposals[0].token_ids == tuple(code[20:28])
 
 
-def test_one_token_of_context_resumes_a_copy_with_low_confidence():
-    """After a token the prompt does not have (a fixed typo), one matching token is enough
-    to find where the copy resumes; the match is short, so its confidence is 1/max_ngram."""
-    prompt = [5, 6, 7, 8, 9, 10, 11, 12]
-    generated = [99, 9]  # 99: the model's own token; 9 occurs once in the prompt
-    proposals = HistorySource(max_tokens=3).propose(ctx(prompt, generated))
-    assert token_ids(proposals) == [(10, 11, 12)]
-    assert proposals[0].confidence == pytest.approx(1 / 8)
-    assert HistorySource(min_ngram=2).propose(ctx(prompt, generated)) == []
-
-
 def test_two_continuations_become_two_proposals_weighted_by_count(encode):
     lines = ["status: ok\n", "status: failed\n", "status: ok\n"]
     prompt = encode("Log\n") + [t for line in lines for t in encode(line)] + encode("Report the status.\n")
