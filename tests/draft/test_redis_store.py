@@ -8,6 +8,7 @@ from __future__ import annotations
 import os
 import shutil
 import socket
+import sys
 import time
 import uuid
 
@@ -47,6 +48,31 @@ def test_embedded_redis_starts_answers_and_cleans_up(redis_server):
         assert probe.connect_ex(("127.0.0.1", port)) != 0
     assert not os.path.exists(workdir)
     second.stop()  # idempotent
+
+
+@pytest.mark.skipif(sys.platform != "linux", reason="parent-death signal is Linux-only")
+def test_embedded_redis_dies_with_a_killed_parent(redis_server):
+    """A `draftmesh serve` killed with SIGKILL must not leave its redis-server running."""
+    import signal
+    import subprocess
+    import time
+
+    code = ("import sys, time\nfrom draftmesh.redis_server import EmbeddedRedis\n"
+            "r = EmbeddedRedis().start(); print(r.port, flush=True); time.sleep(60)")
+    parent = subprocess.Popen([sys.executable, "-c", code], stdout=subprocess.PIPE, text=True)
+    port = int(parent.stdout.readline())
+    client = redis.Redis(port=port)
+    assert client.ping()
+    parent.send_signal(signal.SIGKILL)
+    parent.wait(10)
+    deadline = time.monotonic() + 5
+    while time.monotonic() < deadline:
+        with socket.socket() as probe:
+            if probe.connect_ex(("127.0.0.1", port)) != 0:
+                break
+        time.sleep(0.05)
+    else:
+        pytest.fail(f"redis-server on port {port} outlived its killed parent")
 
 
 def test_embedded_redis_reports_a_server_that_dies_at_startup():
