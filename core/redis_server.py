@@ -36,8 +36,9 @@ def find_redis_server() -> str | None:
 
 
 def _die_with_parent() -> None:
-    """In the child: get SIGTERM when the process that started us dies, even by SIGKILL, so a
-    killed `draftmesh serve` or bench never leaves an orphan redis-server behind."""
+    """In the child: get SIGTERM when our parent dies, even by SIGKILL, so a killed
+    `draftmesh serve` or bench never leaves an orphan redis-server behind. (Linux sends it
+    when the starting *thread* exits: start EmbeddedRedis from a long-lived thread.)"""
     import ctypes
 
     PR_SET_PDEATHSIG = 1
