@@ -84,7 +84,9 @@ def start_mesh(cfg: MeshConfig, *, ray_init: dict[str, Any] | None = None) -> Ru
             http_options={"host": "127.0.0.1", "port": _free_port()},
             logging_config={"log_level": cfg.log_level},
         )
-        running._cleanup.append(serve.shutdown)
+        if cfg.address is None:
+            running._cleanup.append(serve.shutdown)  # our private cluster: all of Serve goes
+        # On an existing cluster only our app goes; Serve and other apps stay up.
         serve.run(build_app(cfg), name=APP_NAME, route_prefix="/", blocking=False,
                   logging_config={"log_level": cfg.log_level})
         running._cleanup.append(lambda: serve.delete(APP_NAME))
