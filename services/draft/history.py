@@ -289,6 +289,8 @@ class _RequestState:
     context: SuffixIndex  # the request's own prompt + generated tokens
     session: SuffixIndex | None
     answers: list[_AnswerTrack]
+    copy: tuple[int, int] | None = None
+    """(haystack position the last copied match continued at, committed length then)."""
 
 
 class HistorySource:
@@ -312,11 +314,16 @@ class HistorySource:
         max_ngram: int = 8,
         max_near: int = 2,
         max_requests: int = 256,
+        resume_window: int = 0,
     ) -> None:
         self.store: AnswerStore = store if store is not None else InMemoryAnswerStore()
         self.max_proposals, self.max_tokens = max_proposals, max_tokens
         self.min_ngram, self.max_ngram = min_ngram, max_ngram
         self.max_near, self.max_requests = max_near, max_requests
+        # > 0: when no n-gram matches, look for the last token only within this many
+        # positions of where the previous copy would have got to (resuming a copy after
+        # the model changed a word). Off by default: not yet shown to pay (see BENCHMARKS).
+        self.resume_window = resume_window
         self._requests: OrderedDict[str, _RequestState] = OrderedDict()
         self._lock = threading.Lock()
 
@@ -328,6 +335,8 @@ class HistorySource:
             if index is not None:
                 found = index.lookup(ctx.token_ids, max_len)
                 candidates += _weighted(found.branches, found.length, self.max_ngram, 1.0)
+                if index is state.context and self.resume_window:
+                    candidates += self._resume(state, ctx, found, max_len)
         for track in state.answers:
             candidates += track.propose(ctx, max_len)
         scored: dict[tuple[int, ...], float] = {}
@@ -336,6 +345,28 @@ class HistorySource:
                 scored[tokens] = confidence
         best = sorted(scored.items(), key=lambda item: -item[1])[: self.max_proposals]
         return [Proposal(source=self.name, token_ids=tokens, confidence=conf) for tokens, conf in best]
+
+    def _resume(self, state: _RequestState, ctx: DraftContext, found, max_len: int) -> list[tuple[tuple[int, ...], float]]:
+        """Track where the request copies from; after a miss, resume near that place."""
+        n = len(ctx.token_ids)
+        if found:
+            _, ends = state.context.occurrences(ctx.token_ids, max_occurrences=1)
+            if ends:
+                state.copy = (ends[0], n)
+            return []
+        if state.copy is None:
+            return []
+        end, then = state.copy
+        expected = end + (n - then)
+        last = ctx.token_ids[-1]
+        seq = state.context.tokens
+        for pos in range(max(0, expected - 2), min(n - 1, expected + self.resume_window)):
+            if seq[pos] == last:
+                cont = tuple(seq[pos + 1 : min(n, pos + 1 + max_len)])
+                if cont:
+                    state.copy = (pos + 1, n)
+                    return [(cont, 1.0 / self.max_ngram)]
+        return []
 
     def finish(self, ctx: DraftContext, output_ids: Sequence[int], output_text: str) -> None:
         """Remember the finished request (``output_text`` is unused: everything is token ids)."""

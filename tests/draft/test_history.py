@@ -50,6 +50,19 @@ def test_prompt_lookup_continues_a_code_block(encode):
     assert proposals[0].token_ids == tuple(code[20:28])
 
 
+def test_resume_window_picks_a_copy_up_after_a_changed_token():
+    prompt = [5, 6, 7, 8, 9, 10, 11, 12, 13]
+    source = HistorySource(max_tokens=3, resume_window=4)
+    assert token_ids(source.propose(ctx(prompt, [6, 7, 8], request_id="r"))) == [(9, 10, 11)]
+    # the model wrote 99 instead of 9, then 10: no 2-gram of the context is in the prompt,
+    # but 10 sits where the copy would be, so the copy resumes after it
+    got = source.propose(ctx(prompt, [6, 7, 8, 99, 10], request_id="r"))
+    assert token_ids(got) == [(11, 12, 13)] and got[0].confidence == pytest.approx(1 / 8)
+    off = HistorySource(max_tokens=3)
+    off.propose(ctx(prompt, [6, 7, 8], request_id="r"))
+    assert off.propose(ctx(prompt, [6, 7, 8, 99, 10], request_id="r")) == []
+
+
 def test_two_continuations_become_two_proposals_weighted_by_count(encode):
     lines = ["status: ok\n", "status: failed\n", "status: ok\n"]
     prompt = encode("Log\n") + [t for line in lines for t in encode(line)] + encode("Report the status.\n")
