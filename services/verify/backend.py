@@ -152,17 +152,14 @@ class TorchTarget:
     def commit(self, state: KVState, base: int, keep: Sequence[int]) -> None:
         """Keep cache[:base] plus the entries at ``base + keep`` (forward offsets), contiguously."""
         keep = list(keep)
+        new_len = base + len(keep)
         if keep == list(range(len(keep))):
-            new_len = base + len(keep)
-            for layer in state.cache.layers:
-                layer.keys = layer.keys[..., :new_len, :]
-                layer.values = layer.values[..., :new_len, :]
-        else:
-            src = torch.tensor([base + k for k in keep], device=self.device)
-            new_len = base + len(keep)
-            for layer in state.cache.layers:
-                layer.keys = torch.cat([layer.keys[..., :base, :], layer.keys.index_select(-2, src)], dim=-2)
-                layer.values = torch.cat([layer.values[..., :base, :], layer.values.index_select(-2, src)], dim=-2)
+            state.crop(new_len)
+            return
+        src = torch.tensor([base + k for k in keep], device=self.device)
+        for layer in state.cache.layers:
+            layer.keys = torch.cat([layer.keys[..., :base, :], layer.keys.index_select(-2, src)], dim=-2)
+            layer.values = torch.cat([layer.values[..., :base, :], layer.values.index_select(-2, src)], dim=-2)
         state.length = new_len
 
     # ------------------------------------------------------------------ cost curve
