@@ -41,10 +41,10 @@ def remote_sources(cfg: MeshConfig, handles: Mapping[str, Any], tokenizer_name: 
     deadline = cfg.source_deadline_s or 1.0
     out: list[DraftSource] = []
     for name, spec in (cfg.remote_sources or {}).items():
-        timeout = spec.get("timeout_ms", 1000 * deadline) / 1000
-        if "address" in spec:
-            out.append(GrpcDraftSource.from_spec(name, spec, tokenizer_name=tokenizer_name, default_timeout_s=timeout))
+        if "address" in spec:  # from_spec reads the entry's own timeout_ms
+            out.append(GrpcDraftSource.from_spec(name, spec, tokenizer_name=tokenizer_name, default_timeout_s=deadline))
         else:
+            timeout = spec.get("timeout_ms", 1000 * deadline) / 1000
             out.append(ServeHandleSource(name, handles[name], tokenizer_name=tokenizer_name, timeout_s=max(timeout, 1.0)))
     return out
 
@@ -69,8 +69,8 @@ class VerifierPool:
         context = serve.get_replica_context()
         name = f"{socket.gethostname()}/{context.replica_id.unique_id if context else os.getpid()}"
         self.replica = VerifierReplica(self._new_decoder(), name=name)
-        self.sources = [s.name for s in self.replica.decoder.sources]
-        log.info("verifier replica %s ready: model %s, sources %s", name, cfg.model, ", ".join(self.sources))
+        sources = ", ".join(s.name for s in self.replica.decoder.sources)
+        log.info("verifier replica %s ready: model %s, sources %s", name, cfg.model, sources)
 
     def _new_decoder(self) -> SpeculativeDecoder:
         cfg = self._cfg
@@ -90,9 +90,6 @@ class VerifierPool:
 
     async def stats(self) -> dict:
         return self.replica.stats()
-
-    async def source_names(self) -> list[str]:
-        return self.sources
 
     async def reset_state(self) -> None:
         """Forget what this replica learned (builder statistics, in-memory stores, session KV),

@@ -12,7 +12,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import threading
-from dataclasses import dataclass, field
+from dataclasses import asdict, dataclass
 from typing import AsyncIterator
 
 from draftmesh.prompts import encode_messages, encode_prompt
@@ -34,7 +34,6 @@ class ReplicaStats:
     failed: int = 0
     steps: int = 0
     tokens: int = 0
-    extra: dict = field(default_factory=dict)
 
 
 class VerifierReplica:
@@ -136,9 +135,8 @@ class VerifierReplica:
 
     def stats(self) -> dict:
         with self._stats_lock:
-            out = {k: v for k, v in vars(self._stats).items() if k != "extra"}
-        pool = getattr(self.decoder, "kv_pool", None)
-        if pool is not None:
-            out["kv_pool"] = pool.stats()
+            out = asdict(self._stats)
+        if self.decoder.kv_pool is not None:
+            out["kv_pool"] = self.decoder.kv_pool.stats()
         out["replica"] = self.name
         return out
