@@ -8,6 +8,7 @@ changing the output, only the speed.
 
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass, field
 from typing import Any, Mapping, Protocol, Sequence, runtime_checkable
 
@@ -76,6 +77,18 @@ class Proposal:
             raise ValueError(f"proposal from {self.source!r}: confidence must be >= 0")
 
 
+def sliced(proposal: Proposal, start: int = 0, stop: int | None = None) -> Proposal:
+    """Drafted tokens [start:stop] of a token proposal, with their probabilities and
+    distributions (row i of ``token_dists`` stays the law of token i)."""
+    part = slice(start, stop)
+    return dataclasses.replace(
+        proposal,
+        token_ids=proposal.token_ids[part],
+        token_probs=proposal.token_probs[part] if proposal.token_probs is not None else None,
+        token_dists=proposal.token_dists[part] if proposal.token_dists is not None else None,
+    )
+
+
 def advance(proposal: Proposal, committed: Sequence[int]) -> Proposal | None:
     """The same draft after ``committed`` tokens were accepted since it was made, or None.
 
@@ -87,13 +100,7 @@ def advance(proposal: Proposal, committed: Sequence[int]) -> Proposal | None:
     n = len(committed)
     if ids is None or len(ids) <= n or tuple(ids[:n]) != tuple(committed):
         return None
-    return Proposal(
-        proposal.source,
-        token_ids=tuple(ids[n:]),
-        token_probs=proposal.token_probs[n:] if proposal.token_probs is not None else None,
-        token_dists=proposal.token_dists[n:] if proposal.token_dists is not None else None,
-        confidence=proposal.confidence,
-    )
+    return sliced(proposal, n)
 
 
 @runtime_checkable

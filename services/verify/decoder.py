@@ -18,7 +18,7 @@ import uuid
 from dataclasses import dataclass, field
 from typing import Any, Callable, Iterator, Mapping, Protocol, Sequence
 
-from draftmesh.draft.base import DraftContext, DraftSource, LearningSource, Proposal
+from draftmesh.draft.base import DraftContext, DraftSource, LearningSource, Proposal, sliced
 from draftmesh.verify.acceptance import Verdict
 from draftmesh.verify.policy import AcceptancePolicy, make_policy
 from draftmesh.verify.backend import KVState, TorchTarget
@@ -403,9 +403,7 @@ def _capped(proposals: list[Proposal], budget: int) -> list[Proposal]:
         n = len(p.token_ids) if p.token_ids is not None else 1
         if n > budget:
             if p.token_ids is not None and budget > 0:
-                out.append(dataclasses.replace(p, token_ids=p.token_ids[:budget],
-                                               token_probs=p.token_probs[:budget] if p.token_probs else None,
-                                               token_dists=p.token_dists[:budget] if p.token_dists is not None else None))
+                out.append(sliced(p, 0, budget))
             break
         out.append(p)
         budget -= n
