@@ -101,9 +101,8 @@ def cmd_draft_serve(args: argparse.Namespace) -> int:
 
     import yaml
 
-    from draftmesh.draft import registry
     from draftmesh.draft.grpc_server import serve_source
-    from draftmesh.models import load_tokenizer
+    from draftmesh.draft.registry import build_source
 
     options = {}
     if args.options_yaml:
@@ -114,8 +113,7 @@ def cmd_draft_serve(args: argparse.Namespace) -> int:
             raise ValueError(f"cannot read --options-yaml: {exc}") from None
         if not isinstance(options, dict):
             raise ValueError(f"{args.options_yaml}: the source options must be a mapping")
-    tokenizer = load_tokenizer(args.model)
-    source = registry.create(args.source, registry.SourceEnv(tokenizer=tokenizer, vocab_size=len(tokenizer)), **options)
+    source = build_source(args.source, args.model, {"options": options})
     server, port = serve_source(source, args.port, host=args.host)
     stop = threading.Event()
     previous = signal.signal(signal.SIGTERM, lambda *_: stop.set())

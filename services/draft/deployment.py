@@ -8,37 +8,16 @@ Python source (``factory: package.module:callable``). It speaks the DraftSource 
 from __future__ import annotations
 
 import asyncio
-import importlib
 import logging
 from typing import Any, Mapping
 
 from ray import serve
 
-from draftmesh.draft import registry
-from draftmesh.draft.base import DraftSource
+from draftmesh.draft.registry import build_source
 from draftmesh.draft.wire import context_from_proto, proposals_to_proto
 from draftmesh.v1 import draft_source_pb2 as pb
 
 log = logging.getLogger(__name__)
-
-
-def build_source(name: str, model: str, spec: Mapping[str, Any], redis_url: str | None = None) -> DraftSource:
-    """A built-in source by name, or ``spec["factory"]`` called as factory(env, **options)."""
-    from draftmesh.models import load_tokenizer
-
-    tokenizer = load_tokenizer(model)
-    env = registry.SourceEnv(tokenizer=tokenizer, vocab_size=len(tokenizer), redis_url=redis_url)
-    options = dict(spec.get("options") or {})
-    factory = spec.get("factory")
-    if factory:
-        module, _, attr = str(factory).partition(":")
-        if not module or not attr:
-            raise ValueError(f"remote_sources.{name}.factory must look like package.module:callable, got {factory!r}")
-        source = getattr(importlib.import_module(module), attr)(env, **options)
-    else:
-        source = registry.create(name, env, **options)
-    source.name = name
-    return source
 
 
 @serve.deployment(name="draft", max_ongoing_requests=8, health_check_period_s=10)

@@ -7,7 +7,7 @@ target tokenizer, the Redis URL) plus that source's own options from config.
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Any, Callable
+from typing import Any, Callable, Mapping
 
 from draftmesh.draft.base import DraftSource
 
@@ -102,3 +102,27 @@ def create(name: str, env: SourceEnv | None = None, **options: Any) -> DraftSour
         return factory(env or SourceEnv(), **options)
     except TypeError as exc:
         raise ValueError(f"bad options for draft source {name!r}: {exc}") from None
+
+
+def build_source(name: str, model: str, spec: Mapping[str, Any] | None = None, redis_url: str | None = None) -> DraftSource:
+    """A source outside any verifier (a Serve draft deployment, `draftmesh draft-serve`),
+    with the tokenizer of the target ``model``: the built-in ``name``, or ``spec["factory"]``
+    ("package.module:callable") called as factory(env, **options); ``spec["options"]`` for either."""
+    import importlib
+
+    from draftmesh.models import load_tokenizer
+
+    spec = spec or {}
+    tokenizer = load_tokenizer(model)
+    env = SourceEnv(tokenizer=tokenizer, vocab_size=len(tokenizer), redis_url=redis_url)
+    options = dict(spec.get("options") or {})
+    factory = spec.get("factory")
+    if factory:
+        module, _, attr = str(factory).partition(":")
+        if not module or not attr:
+            raise ValueError(f"remote_sources.{name}.factory must look like package.module:callable, got {factory!r}")
+        source = getattr(importlib.import_module(module), attr)(env, **options)
+    else:
+        source = create(name, env, **options)
+    source.name = name
+    return source
