@@ -41,6 +41,7 @@ from datetime import datetime, timezone
 from pathlib import Path
 from typing import Any, Callable, Iterable, Mapping, Protocol, Sequence
 
+from draftmesh.net import free_port
 from draftmesh.workload import WorkItem, WorkloadError, load_workload, render_prompt_ids
 
 PLAIN = "plain"
@@ -1559,13 +1560,6 @@ def check_target(target_kind: str, methods: Sequence[Method], *, addr: str | Non
         raise ValueError("--tls-ca applies to a mesh given with --addr")
 
 
-def _free_port() -> int:
-    import socket
-
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
-
 
 def open_mesh(
     cleanup: contextlib.ExitStack,
@@ -1601,7 +1595,7 @@ def open_mesh(
     from draftmesh.router.launcher import start_mesh
 
     # Serve's per-request INFO lines would bury the progress bar and the tables
-    cfg_args: dict[str, Any] = {"model": model, "threads": threads, "grpc_port": _free_port(), "log_level": "WARNING"}
+    cfg_args: dict[str, Any] = {"model": model, "threads": threads, "grpc_port": free_port(), "log_level": "WARNING"}
     if max_nodes is not None:
         cfg_args["max_nodes"] = max_nodes
     embedded_redis = not os.environ.get("REDIS_URL")

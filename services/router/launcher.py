@@ -9,21 +9,15 @@ from __future__ import annotations
 import dataclasses
 import logging
 import os
-import socket
 import time
 from dataclasses import dataclass, field
 from typing import Any, Callable
 
 from draftmesh.config import MeshConfig
+from draftmesh.net import free_port
 from draftmesh.router.app import APP_NAME, GRPC_SERVICER_FUNCTIONS, build_app
 
 log = logging.getLogger(__name__)
-
-
-def _free_port() -> int:
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 @dataclass
@@ -78,10 +72,10 @@ def start_mesh(cfg: MeshConfig, *, ray_init: dict[str, Any] | None = None) -> Ru
             running._cleanup.append(ray.shutdown)
 
         tls = cfg.tls_cert is not None
-        proxy_port = _free_port() if tls else cfg.grpc_port
+        proxy_port = free_port() if tls else cfg.grpc_port
         serve.start(
             grpc_options=gRPCOptions(port=proxy_port, grpc_servicer_functions=GRPC_SERVICER_FUNCTIONS),
-            http_options={"host": "127.0.0.1", "port": _free_port()},
+            http_options={"host": "127.0.0.1", "port": free_port()},
             logging_config={"log_level": cfg.log_level},
         )
         if cfg.address is None:

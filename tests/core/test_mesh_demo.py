@@ -4,24 +4,19 @@ from __future__ import annotations
 
 import os
 import re
-import socket
 import subprocess
 import sys
 
 import pytest
 
+from draftmesh.net import free_port
+
 pytestmark = pytest.mark.slow
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def test_mesh_demo_runs_all_requests_identically_and_stops_the_mesh():
     cmd = [sys.executable, "-m", "draftmesh.cli", "demo", "--threads", "2", "--max-new-tokens", "24",
-           "--grpc-port", str(_free_port()), "--log-level", "WARNING"]
+           "--grpc-port", str(free_port()), "--log-level", "WARNING"]
     proc = subprocess.run(cmd, capture_output=True, text=True, timeout=600, env={**os.environ, "HF_HUB_OFFLINE": "1"})
     out = proc.stdout
     assert proc.returncode == 0, out[-3000:] + proc.stderr[-3000:]

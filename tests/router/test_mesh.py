@@ -9,7 +9,6 @@ address where nothing listens. Outputs are compared with the in-process engine.
 from __future__ import annotations
 
 import os
-import socket
 import threading
 import time
 from concurrent.futures import ThreadPoolExecutor
@@ -19,6 +18,7 @@ import grpc
 import pytest
 
 from draftmesh.config import MeshConfig
+from draftmesh.net import free_port
 from draftmesh.v1 import generation_pb2 as pb
 from draftmesh.v1 import generation_pb2_grpc as pb_grpc
 
@@ -30,12 +30,6 @@ COPY_PROMPT = (
     "Copy this sentence exactly, then stop: The quick brown fox jumps over the lazy dog "
     "while the cat sleeps on the warm windowsill."
 )
-
-
-def _closed_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 @pytest.fixture(scope="session")
@@ -57,7 +51,7 @@ def mesh(external_source):
     small = {"num_cpus": 0.1}
     cfg = MeshConfig(
         threads=2,
-        grpc_port=_closed_port(),
+        grpc_port=free_port(),
         verifier_num_cpus=0.5,
         max_in_flight=8,
         api_keys=[API_KEY],
@@ -65,7 +59,7 @@ def mesh(external_source):
             "boom": {"factory": "mesh_sources:raising", "deployment": small},
             "stuck": {"factory": "mesh_sources:hanging", "deployment": small},
             "extern": {"address": external_source, "token_ids": True},
-            "down": {"address": f"127.0.0.1:{_closed_port()}"},
+            "down": {"address": f"127.0.0.1:{free_port()}"},
         },
     )
     running = start_mesh(cfg, ray_init={"num_cpus": 4})
