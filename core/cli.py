@@ -207,6 +207,11 @@ def build_parser() -> argparse.ArgumentParser:
     ds.add_argument("--grace", type=float, default=2.0, help="seconds in-flight calls get on shutdown")
     ds.set_defaults(func=cmd_draft_serve)
 
+    # Dispatched in main() before this parser is built: the worker runs in its own environment,
+    # where the engine's imports (grpc, torch's bench) need not exist. Listed here for --help.
+    sub.add_parser("factcheck-worker", help="annotate draft spans and outputs from the Redis stream (see its --help)",
+                   add_help=False)
+
     srv = sub.add_parser("serve", help="run the mesh: Ray Serve deployments behind the gRPC front door")
     add_config_arguments(srv, MeshConfig)
     srv.set_defaults(func=cmd_serve)
@@ -230,6 +235,11 @@ def build_parser() -> argparse.ArgumentParser:
 
 def main(argv: list[str] | None = None) -> int:
     _offline_defaults()
+    argv = sys.argv[1:] if argv is None else list(argv)
+    if argv[:1] == ["factcheck-worker"]:
+        from draftmesh.factcheck.worker import main as worker_main
+
+        return worker_main(argv[1:])
     args = build_parser().parse_args(argv)
     logging.basicConfig(level=logging.INFO if args.verbose else logging.WARNING, format="%(levelname)s %(name)s: %(message)s")
     try:

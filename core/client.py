@@ -97,6 +97,8 @@ def build_request(
     policy_params: Mapping[str, Any] | None = None,
     source_caps: Mapping[str, int] | None = None,
     request_id: str = "",
+    factcheck: bool | None = None,
+    factcheck_wait_ms: int | None = None,
 ) -> pb.GenerateRequest:
     """A `GenerateRequest` from plain Python values.
 
@@ -145,6 +147,12 @@ def build_request(
         req.speculation.policy_params[str(key)] = str(value)
     for key, value in (source_caps or {}).items():
         req.speculation.source_caps[str(key)] = int(value)
+    if factcheck is not None:
+        req.factcheck.enabled = bool(factcheck)
+    if factcheck_wait_ms is not None:
+        if int(factcheck_wait_ms) < 0:
+            raise ValueError(f"factcheck_wait_ms: must be >= 0, got {factcheck_wait_ms}")
+        req.factcheck.wait_ms = int(factcheck_wait_ms)
     return req
 
 
@@ -223,6 +231,21 @@ class MeshClient:
         """Generates to the end and returns the result (raises `grpc.RpcError` on failure)."""
         return self._stub.Complete(request, **self._call_args(timeout_s, metadata))
 
+    def factcheck(
+        self,
+        text: str = "",
+        *,
+        annotation_id: str = "",
+        wait_ms: int | None = None,
+        timeout_s: float | None = None,
+        metadata: Sequence[tuple[str, Any]] = (),
+    ) -> pb.FactCheckReport:
+        """Checks `text` now, or fetches an earlier output's annotations by `annotation_id`."""
+        request = pb.FactCheckRequest(text=text, annotation_id=annotation_id)
+        if wait_ms is not None:
+            request.wait_ms = int(wait_ms)
+        return self._stub.FactCheck(request, **self._call_args(timeout_s, metadata))
+
     def close(self) -> None:
         self._channel.close()
 
@@ -266,6 +289,9 @@ def add_generate_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--sources", default="", help="draft sources to ask, comma-separated (default: all)")
     parser.add_argument("--max-nodes", type=int, default=None, help="token-tree node cap per step")
     parser.add_argument("--policy", default="", help="acceptance policy (default exact = lossless)")
+    parser.add_argument("--no-factcheck", action="store_true", help="do not fact-check the output")
+    parser.add_argument("--factcheck-wait-ms", type=int, default=None,
+                        help="how long the result may wait for the output's fact-check")
     parser.add_argument(
         "--api-key", default=None, help=f"API key sent as a bearer token (default: ${API_KEY_ENV})"
     )
@@ -337,6 +363,8 @@ def _request_from_args(args: argparse.Namespace) -> pb.GenerateRequest:
             sources=getattr(args, "sources", "") or "",
             max_nodes=getattr(args, "max_nodes", None),
             policy=getattr(args, "policy", "") or "",
+            factcheck=False if getattr(args, "no_factcheck", False) else None,
+            factcheck_wait_ms=getattr(args, "factcheck_wait_ms", None),
         )
     except ValueError as exc:
         raise CliError(str(exc)) from exc
@@ -387,6 +415,26 @@ def format_stats(result: pb.GenerateResult, *, wall_s: float | None = None) -> s
         f"policy: {policy} ({lossless})  first token: {result.first_token_ms:.1f} ms  "
         f"replica: {result.replica or '?'}"
     )
+    if result.HasField("factcheck"):
+        lines.append(format_factcheck(result.factcheck))
+    return "\n".join(lines)
+
+
+def format_factcheck(report: pb.FactCheckReport) -> str:
+    """The fact-check report: status, then one line per finding (flagged ones marked '!')."""
+    head = f"fact-check: {report.status}"
+    if report.annotation_id:
+        head += f"  id: {report.annotation_id}"
+    if report.drafts_submitted or report.drafts_skipped or report.flagged_steps:
+        head += (f"  drafts sent: {report.drafts_submitted}  skipped: {report.drafts_skipped}  "
+                 f"steps with flags: {report.flagged_steps}")
+    if report.error:
+        head += f"  ({report.error})"
+    lines = [head]
+    for a in report.annotations:
+        mark = "!" if a.flagged else " "
+        what = " ".join(x for x in (a.label, a.rule, a.entity_id) if x)
+        lines.append(f"  {mark} [{a.start}:{a.end}] {a.text!r} {a.check}/{a.verdict} ({what}) {a.evidence}".rstrip())
     return "\n".join(lines)
 
 

@@ -90,6 +90,17 @@ class MeshConfig(EngineConfig):
     max_stop_strings: int = field(default=8, metadata={"help": "most stop strings per request"})
     session_cache_size: int = field(default=64, metadata={"help": "sessions whose KV cache a verifier replica keeps"})
     log_level: LogLevel = field(default="INFO", metadata={"help": "Ray Serve log level of the mesh's deployments and proxy"})
+    factcheck: bool = field(default=True, metadata={"help": "annotate outputs (and the drafts of lossy requests) with the fact-check service"})
+    factcheck_workers: int = field(default=1, metadata={"help": "fact-check workers `serve` starts on this machine (0: they run elsewhere)"})
+    factcheck_python: str | None = field(
+        default=None,
+        metadata={"help": "Python of the workers' own environment (default: DRAFTMESH_FACTCHECK_PYTHON, else a "
+                          ".venv-factcheck beside this venv, else this interpreter)"},
+    )
+    factcheck_wait_ms: int = field(default=2000, metadata={"help": "how long a final message waits for its output's annotations"})
+    factcheck_options: dict[str, Any] | None = field(
+        default=None, metadata={"help": "the workers' and streams' settings: FactCheckConfig fields (config file only)"}
+    )
 
     def __post_init__(self) -> None:
         super().__post_init__()
@@ -115,6 +126,16 @@ class MeshConfig(EngineConfig):
                 raise ValueError(f"remote_sources.{name}: unknown keys {', '.join(sorted(unknown))}")
             if "address" in spec and ({"deployment", "factory"} & set(spec)):
                 raise ValueError(f"remote_sources.{name}: an external address cannot also be a deployment")
+        if self.factcheck_workers < 0 or self.factcheck_wait_ms < 0:
+            raise ValueError("factcheck_workers and factcheck_wait_ms must be >= 0")
+        known = {f.name for f in dataclasses.fields(FactCheckConfig)}
+        unknown = sorted(set(self.factcheck_options or {}) - known)
+        if unknown:
+            raise ValueError(f"factcheck_options: unknown keys {', '.join(unknown)}")
+        try:
+            self.factcheck_config()
+        except ValueError as exc:
+            raise ValueError(f"factcheck_options: {exc}") from None
         overlap = set(self.sources or ()) & set(self.remote_sources or {})
         if overlap:
             raise ValueError(f"sources {', '.join(sorted(overlap))} are listed both in-process and remote")
@@ -122,6 +143,12 @@ class MeshConfig(EngineConfig):
     def to_dict(self) -> dict[str, Any]:
         """Plain data for Ray Serve's deployment args and the Helm chart's serveConfigV2."""
         return dataclasses.asdict(self)
+
+    def factcheck_config(self) -> "FactCheckConfig":
+        """The workers' config; its Redis defaults to the mesh's, so producers and workers meet."""
+        options = dict(self.factcheck_options or {})
+        options["redis_url"] = options.get("redis_url") or self.redis_url
+        return FactCheckConfig(**options)
 
 
 NerBackendName = Literal["spacy", "flair"]
@@ -144,6 +171,9 @@ class FactCheckConfig:
     wikidata: WikidataMode = field(default="off", metadata={"help": "entity checks: off, offline (dump files) or live (the API)"})
     wikidata_dump: list[str] | None = field(default=None, metadata={"help": "dump-format JSON files for the offline entity store"})
     wikidata_api: str = field(default="https://www.wikidata.org/w/api.php", metadata={"help": "Wikidata API endpoint (live mode)"})
+    wikidata_user_agent: str | None = field(
+        default=None, metadata={"help": "User-Agent for the Wikidata API: name/version (contact URL or email), as Wikimedia asks"}
+    )
     wikidata_timeout_s: float = field(default=5.0, metadata={"help": "per-call timeout of the Wikidata API"})
     wikidata_cache_ttl_s: int = field(default=86400, metadata={"help": "how long Wikidata answers stay cached in Redis"})
     numeric_rules: str | None = field(default=None, metadata={"help": "YAML numeric rules (default: the packaged rules)"})

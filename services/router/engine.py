@@ -10,7 +10,7 @@ from draftmesh.draft.base import DraftSource
 from draftmesh.draft.align import TextAligner
 from draftmesh.router.tree_builder import BuilderConfig, CostAwareTreeBuilder
 from draftmesh.verify.backend import TorchTarget
-from draftmesh.verify.decoder import SpeculativeDecoder
+from draftmesh.verify.decoder import FlagProvider, SpeculativeDecoder
 from draftmesh.verify.session_kv import SessionKVPool
 
 
@@ -25,6 +25,7 @@ def build_decoder(
     source_deadline_s: float | None = 0.1,
     extra_sources: Sequence[DraftSource] = (),
     kv_pool: SessionKVPool | None = None,
+    flag_provider: FlagProvider | None = None,
 ) -> SpeculativeDecoder:
     """``sources=None`` means the default set; an empty list means plain decoding.
 
@@ -45,7 +46,8 @@ def build_decoder(
     config = builder_config or BuilderConfig(max_nodes=max_nodes)
     aligner = TextAligner(target.tokenizer) if getattr(target.tokenizer, "backend_tokenizer", None) else None
     builder = CostAwareTreeBuilder(target.cost_curve or {1: 1.0}, config, aligner=aligner)
-    return SpeculativeDecoder(target, built, builder, source_deadline_s=source_deadline_s, kv_pool=kv_pool)
+    return SpeculativeDecoder(target, built, builder, flag_provider=flag_provider,
+                              source_deadline_s=source_deadline_s, kv_pool=kv_pool)
 
 
 def load_target(cfg: EngineConfig) -> TorchTarget:
@@ -60,6 +62,7 @@ def decoder_from_config(
     *,
     extra_sources: Sequence[DraftSource] = (),
     kv_pool: SessionKVPool | None = None,
+    flag_provider: FlagProvider | None = None,
 ) -> SpeculativeDecoder:
     """``build_decoder`` with the config's sources, options, node cap, source deadline and Redis."""
     return build_decoder(
@@ -71,4 +74,5 @@ def decoder_from_config(
         redis_url=getattr(cfg, "redis_url", None),
         extra_sources=extra_sources,
         kv_pool=kv_pool,
+        flag_provider=flag_provider,
     )

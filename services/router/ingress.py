@@ -18,10 +18,13 @@ from ray.serve.grpc_util import RayServegRPCContext
 
 from draftmesh.config import MeshConfig
 from draftmesh.router.auth import ApiKeyAuth
-from draftmesh.router.responses import result_to_proto, step_to_proto
-from draftmesh.router.validation import InvalidRequest, RequestLimits, parse_request
+from draftmesh.factcheck.client import FactCheckBusy, FactCheckUnavailable
+from draftmesh.factcheck.protocol import annotation_id_for_text
+from draftmesh.router.responses import report_to_proto, result_to_proto, step_to_proto
+from draftmesh.router.validation import InvalidRequest, RequestLimits, parse_factcheck, parse_request
 from draftmesh.v1 import generation_pb2 as pb
 from draftmesh.verify.decoder import GenerationResult, StepEvent
+from draftmesh.verify.factcheck_link import report_from_annotation
 from draftmesh.verify.messages import Rejected, ServeRequest
 from draftmesh.verify.policy import available_policies
 
@@ -58,6 +61,11 @@ class Router:
         self.sources = mesh_source_names(cfg)
         self.policies = available_policies()
         self.in_flight = 0
+        self.factcheck = None
+        if cfg.factcheck:
+            from draftmesh.factcheck.client import FactCheckClient
+
+            self.factcheck = FactCheckClient(cfg.redis_url, cfg.factcheck_config())
 
     # ------------------------------------------------------------------ RPCs
     async def Generate(self, request: pb.GenerateRequest, grpc_context: RayServegRPCContext) -> AsyncIterator[pb.GenerateResponse]:
@@ -83,11 +91,45 @@ class Router:
         finally:
             self.in_flight -= 1
 
+    async def FactCheck(self, request: pb.FactCheckRequest, grpc_context: RayServegRPCContext) -> pb.FactCheckReport:
+        """Check a text now (through the workers), or fetch an earlier output's annotations by id."""
+        self._authenticate(grpc_context)
+        if self.factcheck is None:
+            raise self._fail(grpc_context, grpc.StatusCode.FAILED_PRECONDITION, "the fact-check service is off in this mesh")
+        try:
+            text, annotation_id, wait_ms = parse_factcheck(request, self.limits)
+        except InvalidRequest as exc:
+            raise self._fail(grpc_context, grpc.StatusCode.INVALID_ARGUMENT, str(exc))
+        wait_s = (self.cfg.factcheck_wait_ms if wait_ms is None else wait_ms) / 1000
+        try:
+            if text:
+                annotation_id = annotation_id_for_text("query", text)
+                annotation = await asyncio.to_thread(self.factcheck.check_text, text, wait_s)
+            else:
+                annotation = await asyncio.to_thread(self._fetch, annotation_id, wait_s)
+        except FactCheckBusy as exc:
+            raise self._fail(grpc_context, grpc.StatusCode.RESOURCE_EXHAUSTED, f"fact-check service busy: {exc}; retry later")
+        except FactCheckUnavailable as exc:
+            raise self._fail(grpc_context, grpc.StatusCode.UNAVAILABLE, f"fact-check service unavailable: {exc}")
+        if annotation is None:
+            return pb.FactCheckReport(status="pending", annotation_id=annotation_id,
+                                      error="no annotation yet: still queued, unknown or expired")
+        return report_to_proto(report_from_annotation(annotation))
+
+    def _fetch(self, annotation_id: str, wait_s: float):
+        found = self.factcheck.ready([annotation_id]).get(annotation_id)
+        if found is None and not self.factcheck.available:
+            raise FactCheckUnavailable("Redis unreachable")
+        return found if found is not None or wait_s <= 0 else self.factcheck.wait(annotation_id, wait_s)
+
     # ------------------------------------------------------------------ steps of a request
-    def _admit(self, request: pb.GenerateRequest, ctx: RayServegRPCContext) -> ServeRequest:
+    def _authenticate(self, ctx: RayServegRPCContext) -> None:
         reason = self.auth.check(ctx.invocation_metadata())
         if reason is not None:
             raise self._fail(ctx, grpc.StatusCode.UNAUTHENTICATED, reason)
+
+    def _admit(self, request: pb.GenerateRequest, ctx: RayServegRPCContext) -> ServeRequest:
+        self._authenticate(ctx)
         try:
             req = parse_request(request, self.limits, sources=self.sources, policies=self.policies)
         except InvalidRequest as exc:

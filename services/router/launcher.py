@@ -1,4 +1,5 @@
-"""Start and stop the whole mesh: Redis, Ray, Serve's gRPC proxy, the app, the TLS gateway.
+"""Start and stop the whole mesh: Redis, the fact-check workers, Ray, Serve's gRPC proxy, the app,
+the TLS gateway.
 
 ``draftmesh serve`` and the service tests both go through ``start_mesh`` so that what the
 tests exercise is what users run.
@@ -62,6 +63,13 @@ def start_mesh(cfg: MeshConfig, *, ray_init: dict[str, Any] | None = None) -> Ru
                             "other nodes of %s cannot reach it: set REDIS_URL for a multi-node cluster", cfg.address)
         cfg = dataclasses.replace(cfg, redis_url=redis_url)
         running.config = cfg
+        workers = None
+        if cfg.factcheck and cfg.factcheck_workers:
+            from draftmesh.factcheck.processes import WorkerProcesses
+
+            # Started first: they load their checks while Ray and the models come up.
+            workers = WorkerProcesses(cfg.factcheck_config(), cfg.factcheck_workers, cfg.factcheck_python).start()
+            running._cleanup.append(workers.stop)
 
         if not ray.is_initialized():
             if cfg.address is None:
@@ -92,6 +100,8 @@ def start_mesh(cfg: MeshConfig, *, ray_init: dict[str, Any] | None = None) -> Ru
             gateway = TlsGateway(f"127.0.0.1:{proxy_port}", cfg.grpc_port, cert, key).run_in_thread()
             running._cleanup.append(gateway.stop)
             address = f"localhost:{cfg.grpc_port}"
+        if workers is not None:
+            workers.wait_ready()
         running.address = address
         running.started_s = time.perf_counter() - t0
         return running

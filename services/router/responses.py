@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from draftmesh.v1 import generation_pb2
 from draftmesh.verify.decoder import GenerationResult, StepEvent
+from draftmesh.verify.factcheck_link import FactCheckReport
 
 
 def step_to_proto(step_index: int, event: StepEvent) -> generation_pb2.GenerateResponse:
@@ -55,4 +56,24 @@ def result_to_proto(result: GenerationResult, request_id: str, replica: str) -> 
         seconds=result.seconds,
         first_token_ms=result.first_token_s * 1000.0,
         replica=replica,
+        factcheck=report_to_proto(result.factcheck) if result.factcheck is not None else None,
+    )
+
+
+def report_to_proto(report: FactCheckReport) -> generation_pb2.FactCheckReport:
+    """A fact-check report with its findings as ``Annotation`` messages."""
+    return generation_pb2.FactCheckReport(
+        status=report.status,
+        annotation_id=report.annotation_id,
+        annotations=[
+            generation_pb2.Annotation(
+                check=f.check, start=f.start, end=f.end, text=f.text, verdict=f.verdict, flagged=f.flagged,
+                label=f.label, rule=f.rule, entity_id=f.entity_id, evidence=f.evidence,
+            )
+            for f in report.findings
+        ],
+        error=report.error,
+        drafts_submitted=report.drafts_submitted,
+        drafts_skipped=report.drafts_skipped,
+        flagged_steps=report.flagged_steps,
     )

@@ -32,6 +32,7 @@ MAX_SOURCE_CAP = 256
 MAX_POLICY_PARAMS = 16
 MAX_POLICY_KEY_CHARS = 64
 MAX_POLICY_VALUE_CHARS = 256
+MAX_FACTCHECK_WAIT_MS = 60_000
 
 _INT = re.compile(r"[+-]?\d+", re.ASCII)
 _FLOAT = re.compile(r"[+-]?(?:\d+\.?\d*|\.\d+)(?:[eE][+-]?\d+)?", re.ASCII)
@@ -111,7 +112,37 @@ def parse_request(
         session_id=_ident("session_id", req.session_id) or None,
         documents=_documents(req, limits),
         **spec,
+        **_factcheck_options(req.factcheck),
     )
+
+
+def parse_factcheck(req: "generation_pb2.FactCheckRequest", limits: RequestLimits) -> tuple[str, str, int | None]:
+    """(text, annotation_id, wait_ms) of a FactCheck call; exactly one of text and id is set."""
+    if bool(req.text) == bool(req.annotation_id):
+        raise InvalidRequest("text", "give exactly one of text and annotation_id")
+    if req.text:
+        size = _utf8_len("text", req.text)
+        if size > limits.max_prompt_bytes:
+            raise InvalidRequest("text", f"is {size} bytes; the limit is {limits.max_prompt_bytes}")
+        if not req.text.strip():
+            raise InvalidRequest("text", "is blank")
+    annotation_id = _ident("annotation_id", req.annotation_id) if req.annotation_id else ""
+    return req.text, annotation_id, _wait_ms("wait_ms", req)
+
+
+def _factcheck_options(options) -> dict[str, Any]:
+    out: dict[str, Any] = {"factcheck_wait_ms": _wait_ms("factcheck.wait_ms", options)}
+    if options.HasField("enabled"):
+        out["factcheck"] = options.enabled
+    return out
+
+
+def _wait_ms(field: str, message) -> int | None:
+    if not message.HasField("wait_ms"):
+        return None
+    if message.wait_ms > MAX_FACTCHECK_WAIT_MS:
+        raise InvalidRequest(field, f"must be <= {MAX_FACTCHECK_WAIT_MS}, got {message.wait_ms}")
+    return int(message.wait_ms)
 
 
 # ---------------------------------------------------------------------- prompt

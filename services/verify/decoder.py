@@ -98,6 +98,8 @@ class GenerationResult:
     """The verifier replica that served it (set by the serving layer)."""
     reused_tokens: int = 0
     """Prompt tokens whose KV came from the session's previous request (not prefilled)."""
+    factcheck: Any = None
+    """The fact-check report (a ``FactCheckReport``, set by the serving layer) or None."""
 
     @property
     def mean_accepted_per_step(self) -> float:
@@ -237,7 +239,8 @@ class SpeculativeDecoder:
             base = state.length
             logits = target.forward_tree(state, pending, tree)
             flagged = frozenset()
-            if self.flag_provider is not None and ctx is not None and len(tree):
+            # Flags only restrict lenient acceptance: the exact policy never needs them.
+            if self.flag_provider is not None and not policy.lossless and ctx is not None and len(tree):
                 flagged = self._flags(ctx, tree)
             verdict = policy.verify(tree, logits, req.sampling, generator, flagged)
             target.commit(state, base, [0] + [1 + a for a in verdict.accepted])

@@ -23,6 +23,7 @@ from draftmesh.config import MeshConfig
 from draftmesh.draft.base import DraftSource
 from draftmesh.verify.backend import TorchTarget
 from draftmesh.verify.decoder import SpeculativeDecoder
+from draftmesh.verify.factcheck_link import FactCheckLink
 from draftmesh.verify.messages import ServeRequest
 from draftmesh.verify.replica import VerifierReplica
 from draftmesh.verify.session_kv import SessionKVPool
@@ -30,7 +31,7 @@ from draftmesh.verify.session_kv import SessionKVPool
 log = logging.getLogger(__name__)
 
 DecoderFactory = Callable[..., SpeculativeDecoder]
-"""(target, cfg, *, extra_sources, kv_pool) -> decoder; router.engine.decoder_from_config."""
+"""(target, cfg, *, extra_sources, kv_pool, flag_provider) -> decoder; router.engine.decoder_from_config."""
 
 
 def remote_sources(cfg: MeshConfig, handles: Mapping[str, Any], tokenizer_name: str) -> list[DraftSource]:
@@ -68,7 +69,8 @@ class VerifierPool:
         self._cfg, self._target, self._handles, self._make_decoder = cfg, target, draft_handles, make_decoder
         context = serve.get_replica_context()
         name = f"{socket.gethostname()}/{context.replica_id.unique_id if context else os.getpid()}"
-        self.replica = VerifierReplica(self._new_decoder(), name=name)
+        self.replica = VerifierReplica(self._new_decoder(), name=name, factcheck=self._factcheck,
+                                       factcheck_wait_s=cfg.factcheck_wait_ms / 1000)
         sources = ", ".join(s.name for s in self.replica.decoder.sources)
         log.info("verifier replica %s ready: model %s, sources %s", name, cfg.model, sources)
 
@@ -76,7 +78,14 @@ class VerifierPool:
         cfg = self._cfg
         pool = SessionKVPool(max_sessions=cfg.session_cache_size) if cfg.session_cache_size else None
         extra = remote_sources(cfg, self._handles, cfg.model)
-        return self._make_decoder(self._target, cfg, extra_sources=extra, kv_pool=pool)
+        self._factcheck = self._new_factcheck_link() if cfg.factcheck else None
+        return self._make_decoder(self._target, cfg, extra_sources=extra, kv_pool=pool, flag_provider=self._factcheck)
+
+    def _new_factcheck_link(self) -> FactCheckLink:
+        from draftmesh.factcheck.client import FactCheckClient
+
+        client = FactCheckClient(self._cfg.redis_url, self._cfg.factcheck_config())
+        return FactCheckLink(client, self._target.tokenizer)
 
     @serve.multiplexed(max_num_models_per_replica=1024)
     async def _session(self, session_id: str) -> _Session:
@@ -98,4 +107,5 @@ class VerifierPool:
         if self.replica.stats()["active"]:
             raise RuntimeError("reset_state needs an idle replica")
         old, self.replica.decoder = self.replica.decoder, self._new_decoder()
+        self.replica.factcheck = self._factcheck
         old.caller.close()

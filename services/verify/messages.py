@@ -32,6 +32,10 @@ class ServeRequest:
     max_nodes: int | None = None
     policy: str = "exact"
     policy_params: Mapping[str, Any] = field(default_factory=dict)
+    factcheck: bool = True
+    """Annotate the output (when the mesh runs the fact-check service)."""
+    factcheck_wait_ms: int | None = None
+    """How long the result may wait for the output's annotations (None: the server's default)."""
 
 
 @dataclass(frozen=True)

@@ -17,6 +17,7 @@ from typing import AsyncIterator
 
 from draftmesh.prompts import encode_messages, encode_prompt
 from draftmesh.verify.decoder import GenerationRequest, GenerationResult, SpeculativeDecoder, StepEvent
+from draftmesh.verify.factcheck_link import FactCheckLink, FactCheckReport
 from draftmesh.verify.messages import Rejected, ServeRequest
 from draftmesh.verify.sampling import SamplingParams
 
@@ -37,9 +38,18 @@ class ReplicaStats:
 
 
 class VerifierReplica:
-    def __init__(self, decoder: SpeculativeDecoder, name: str = "verifier") -> None:
+    def __init__(
+        self,
+        decoder: SpeculativeDecoder,
+        name: str = "verifier",
+        factcheck: FactCheckLink | None = None,
+        factcheck_wait_s: float = 2.0,
+    ) -> None:
         self.decoder = decoder
         self.name = name
+        self.factcheck = factcheck
+        """Annotates outputs; the decoder's flag provider is the same link (set by the builder)."""
+        self.factcheck_wait_s = factcheck_wait_s
         self._step_lock = threading.Lock()
         self._stats = ReplicaStats()
         self._stats_lock = threading.Lock()
@@ -98,11 +108,15 @@ class VerifierReplica:
                             event = next(events)
                         except StopIteration:
                             break
+                    if isinstance(event, GenerationResult):  # outside the step lock: others go on
+                        event.factcheck = self._annotate(req, gen_req.request_id, event)
                     post(event)
             except BaseException as exc:  # reported to the awaiting coroutine, never lost
                 post(exc)
             finally:
                 events.close()
+                if self.factcheck is not None:
+                    self.factcheck.forget(gen_req.request_id)
                 post(_DONE)
 
         self._count(active=1)
@@ -127,6 +141,17 @@ class VerifierReplica:
             cancel.set()
             self._count(active=-1, **{outcome: 1})
 
+    def _annotate(self, req: ServeRequest, request_id: str, result: GenerationResult):
+        """The output's fact-check report; never fails the request."""
+        if self.factcheck is None:
+            return None
+        wait = self.factcheck_wait_s if req.factcheck_wait_ms is None else req.factcheck_wait_ms / 1000
+        try:
+            return self.factcheck.annotate_output(request_id, result.text, wait, enabled=req.factcheck)
+        except Exception as exc:
+            log.exception("fact-check of request %s failed", request_id)
+            return FactCheckReport(status="failed", error=f"{type(exc).__name__}: {exc}")
+
     # ------------------------------------------------------------------ introspection
     def _count(self, **deltas: int) -> None:
         with self._stats_lock:
@@ -138,5 +163,7 @@ class VerifierReplica:
             out = asdict(self._stats)
         if self.decoder.kv_pool is not None:
             out["kv_pool"] = self.decoder.kv_pool.stats()
+        if self.factcheck is not None:
+            out["factcheck"] = self.factcheck.stats()
         out["replica"] = self.name
         return out

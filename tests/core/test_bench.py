@@ -24,6 +24,7 @@ from draftmesh.bench import (
     summarize,
 )
 from draftmesh.draft import registry
+from draftmesh.v1 import generation_pb2_grpc as pb_grpc
 from draftmesh.workload import WorkItem
 
 
@@ -680,7 +681,7 @@ def test_mesh_report_json_and_table(tmp_path):
 
 
 # a tiny gRPC Generation server scripted per test
-class ScriptedGeneration:
+class ScriptedGeneration(pb_grpc.GenerationServicer):
     """Streams: an empty delta (a step that committed nothing visible yet), then one delta per
     token group, then the result; sleeps ``pause`` before every delta."""
 
@@ -816,7 +817,7 @@ def test_mesh_runner_reset_calls_the_resetter_and_runners_share_one_client():
     assert alone[0].run_after is None  # no mesh:draftmesh to wait for
 
 
-class EngineGeneration:
+class EngineGeneration(pb_grpc.GenerationServicer):
     """A Generation server that really decodes with a tiny target, as a verifier replica does:
     one decoder shared by every request (like the mesh), rendering prompts with draftmesh.prompts."""
 

@@ -219,3 +219,44 @@ def test_limits_from_config():
     assert RequestLimits.from_config(MeshConfig(default_max_new_tokens=10000)).max_new_tokens_cap == 10000
     with pytest.raises(ValueError, match="default_max_new_tokens"):
         RequestLimits(1, 1, 1, 1, default_max_new_tokens=9000)
+
+
+# ---------------------------------------------------------------------- fact-check
+def test_factcheck_options_default_and_explicit():
+    req = parse(base())
+    assert req.factcheck is True and req.factcheck_wait_ms is None
+    req = parse(base(factcheck=pb.FactCheckOptions(enabled=False, wait_ms=0)))
+    assert req.factcheck is False and req.factcheck_wait_ms == 0
+    req = parse(base(factcheck=pb.FactCheckOptions(wait_ms=60_000)))
+    assert req.factcheck is True and req.factcheck_wait_ms == 60_000
+
+
+def test_factcheck_wait_beyond_the_cap_is_invalid():
+    with pytest.raises(InvalidRequest, match=r"^factcheck\.wait_ms: must be <= 60000, got 60001$"):
+        parse(base(factcheck=pb.FactCheckOptions(wait_ms=60_001)))
+
+
+@pytest.mark.parametrize(
+    "fields, field, rule",
+    [
+        (dict(), "text", "give exactly one of text and annotation_id"),
+        (dict(text="a", annotation_id="b"), "text", "give exactly one of text and annotation_id"),
+        (dict(text="x" * 101), "text", "is 101 bytes; the limit is 100"),
+        (dict(text=" \n "), "text", "is blank"),
+        (dict(annotation_id="a\x00b"), "annotation_id", "must be printable"),
+        (dict(text="ok", wait_ms=70_000), "wait_ms", "must be <= 60000"),
+    ],
+)
+def test_bad_factcheck_requests_name_the_field(fields, field, rule):
+    from draftmesh.router.validation import parse_factcheck
+
+    with pytest.raises(InvalidRequest) as info:
+        parse_factcheck(pb.FactCheckRequest(**fields), LIMITS)
+    assert info.value.field == field and rule in info.value.rule
+
+
+def test_good_factcheck_requests():
+    from draftmesh.router.validation import parse_factcheck
+
+    assert parse_factcheck(pb.FactCheckRequest(text="Ada was born in 1815."), LIMITS) == ("Ada was born in 1815.", "", None)
+    assert parse_factcheck(pb.FactCheckRequest(annotation_id="out:abc", wait_ms=5), LIMITS) == ("", "out:abc", 5)
