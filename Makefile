@@ -9,8 +9,14 @@ TORCH_SPEC ?= torch==2.13.0
 TORCH_PIP_ARGS ?=
 STAMP := $(VENV)/.draftmesh-setup
 PYTEST_ARGS ?=
+# The fact-check worker's own venv: flair 0.15.1 pins transformers < 5, the engine needs 5.
+FACTCHECK_VENV ?= .venv-factcheck
+FACTCHECK_PY := $(FACTCHECK_VENV)/bin/python
+FACTCHECK_PIP := $(FACTCHECK_PY) -m pip
+FACTCHECK_STAMP := $(FACTCHECK_VENV)/.draftmesh-factcheck-env
+FACTCHECK_REQS := services/factcheck/requirements-worker.txt
 
-.PHONY: setup models test test-fast demo serve bench clean
+.PHONY: setup factcheck-env models test test-fast demo serve bench clean
 
 setup: $(STAMP)
 
@@ -27,10 +33,24 @@ $(STAMP): pyproject.toml setup.py Makefile $(wildcard protos/draftmesh/v1/*.prot
 	$(PY) -c "import torch; print('torch', torch.__version__, 'cuda' if torch.version.cuda else 'cpu build')"
 	touch $@
 
+# Like setup, torch goes first and alone. Then the worker's requirements, restating the torch pin so
+# pip can only keep it; draftmesh last and with --no-deps (its engine deps would pull transformers 5;
+# last, so that pip's conflict check does not list every engine dep as missing).
+factcheck-env: $(FACTCHECK_STAMP)
+
+$(FACTCHECK_STAMP): pyproject.toml setup.py Makefile $(FACTCHECK_REQS) $(wildcard protos/draftmesh/v1/*.proto)
+	test -x $(FACTCHECK_PY) || $(PYTHON) -m venv $(FACTCHECK_VENV)
+	$(FACTCHECK_PIP) install -q --upgrade pip
+	$(FACTCHECK_PIP) install -q $(TORCH_PIP_ARGS) "$(TORCH_SPEC)"
+	$(FACTCHECK_PIP) install -q -r $(FACTCHECK_REQS) "$(TORCH_SPEC)"
+	$(FACTCHECK_PIP) install -q --no-deps -e .
+	$(FACTCHECK_PY) -c "import torch, transformers, flair, spacy, draftmesh.factcheck; print('factcheck env: torch', torch.__version__, 'cuda' if torch.version.cuda else 'cpu build', '| transformers', transformers.__version__, '| flair', flair.__version__)"
+	touch $@
+
 models: setup
 	$(PY) -m draftmesh.cli prepare-models
 
-test: models
+test: models factcheck-env
 	$(PY) -m pytest -q $(PYTEST_ARGS)
 
 test-fast: setup
@@ -47,5 +67,5 @@ bench: models
 		--json out/bench.json --plot out/bench.png
 
 clean:
-	rm -rf $(VENV) build *.egg-info out protos/draftmesh/__init__.py protos/draftmesh/v1/__init__.py \
+	rm -rf $(VENV) $(FACTCHECK_VENV) build *.egg-info out protos/draftmesh/__init__.py protos/draftmesh/v1/__init__.py \
 		protos/draftmesh/v1/*_pb2.py protos/draftmesh/v1/*_pb2.pyi protos/draftmesh/v1/*_pb2_grpc.py

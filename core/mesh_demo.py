@@ -64,6 +64,10 @@ def _compare(client, name: str, request, out: TextIO, *, echo: bool = False, lab
     spec, spec_s = _timed(client, request, out if echo else None)
     if echo:
         print("\n---", file=out)
+        if spec.HasField("factcheck"):
+            from draftmesh.client import format_factcheck
+
+            print(format_factcheck(spec.factcheck), file=out)
     plain_req = pb.GenerateRequest()
     plain_req.CopyFrom(request)
     plain_req.session_id = ""

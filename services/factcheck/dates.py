@@ -237,6 +237,13 @@ def _scan(text: str) -> list[tuple[str, re.Match[str], PartialDate | _Impossible
     return [(kind, m, _analyse(kind, m)) for kind, m in hits]
 
 
+def find_date_spans(text: str) -> list[Mention]:
+    """DATE mentions found by the strict date shapes alone, for NER backends that tag no
+    dates (CoNLL taggers such as flair's "ner" know PER/ORG/LOC/MISC only). Strict shapes,
+    never a fuzzy parse of the sentence."""
+    return [Mention(m.start(), m.end(), m.group(0), "DATE") for _, m, _ in _scan(text)]
+
+
 def _weekday_error(found: PartialDate, shown: str) -> str | None:
     """Why the weekday the text names is wrong for its date, or None (right, or uncheckable)."""
     day = found.to_date()

@@ -251,23 +251,24 @@ class EntityChecker:
     def _compare_date(
         self, mention: Mention, entity: Entity, rule: DateRule, date: Mention, parsed: tuple[int, int, int, int]
     ) -> Finding:
+        """A finding on the DATE span (what a wrong claim gets wrong), linked to the entity."""
         year, month, day, precision = parsed
         claims = entity.times(rule.prop)
         stated = WikidataTime(year, month, day, precision)
         if not claims:
             return self._finding(
-                mention, "unverified", rule.rule, entity.id, f"{entity.id} has no {rule.prop} claim (text: {date.text} = {stated})"
+                date, "unverified", rule.rule, entity.id, f"{entity.id} has no {rule.prop} claim (text: {date.text} = {stated})"
             )
         verdicts = [(_matches(c, year, month, day, precision), c) for c in claims]
         agreeing = [c for v, c in verdicts if v]
         if agreeing:
-            return self._finding(mention, "supported", rule.rule, entity.id, f"{rule.prop} = {agreeing[0]}")
+            return self._finding(date, "supported", rule.rule, entity.id, f"{rule.prop} = {agreeing[0]}")
         comparable = [c for v, c in verdicts if v is False]
         if not comparable:
             shown = ", ".join(str(c) for c in claims[:3])
-            return self._finding(mention, "unverified", rule.rule, entity.id, f"{rule.prop} = {shown} is too coarse to compare with {stated}")
+            return self._finding(date, "unverified", rule.rule, entity.id, f"{rule.prop} = {shown} is too coarse to compare with {stated}")
         shown = ", ".join(str(c) for c in comparable[:3])
-        return self._finding(mention, "contradicted", rule.rule, entity.id, f"{rule.prop} = {shown}; text says {stated}")
+        return self._finding(date, "contradicted", rule.rule, entity.id, f"{rule.prop} = {shown}; text says {stated}")
 
 
 def _types(entity: Entity | None) -> frozenset[str]:

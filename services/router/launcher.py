@@ -28,6 +28,10 @@ class RunningMesh:
     """Where clients connect (host:port)."""
     started_s: float
     """Seconds from start_mesh() to the app answering."""
+    redis: Any = None
+    """The embedded redis-server this mesh started, if it started one."""
+    factcheck_workers: Any = None
+    """The fact-check worker processes this mesh started, if any."""
     _cleanup: list[Callable[[], Any]] = field(default_factory=list, repr=False)
 
     def stop(self) -> None:
@@ -54,7 +58,7 @@ def start_mesh(cfg: MeshConfig, *, ray_init: dict[str, Any] | None = None) -> Ru
         if not redis_url:
             from draftmesh.redis_server import EmbeddedRedis
 
-            redis = EmbeddedRedis().start()
+            redis = running.redis = EmbeddedRedis().start()
             running._cleanup.append(redis.stop)
             redis_url = redis.url
             log.info("embedded redis-server at %s", redis_url)
@@ -68,7 +72,9 @@ def start_mesh(cfg: MeshConfig, *, ray_init: dict[str, Any] | None = None) -> Ru
             from draftmesh.factcheck.processes import WorkerProcesses
 
             # Started first: they load their checks while Ray and the models come up.
-            workers = WorkerProcesses(cfg.factcheck_config(), cfg.factcheck_workers, cfg.factcheck_python).start()
+            workers = running.factcheck_workers = WorkerProcesses(
+                cfg.factcheck_config(), cfg.factcheck_workers, cfg.factcheck_python
+            ).start()
             running._cleanup.append(workers.stop)
 
         if not ray.is_initialized():

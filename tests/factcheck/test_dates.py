@@ -221,3 +221,13 @@ def test_check_dates_one_finding_per_flagged_mention_in_order():
     assert [f.text for f in findings] == ["2023-02-29", "June 31, 2022"]
     assert all(text[f.start : f.end] == f.text for f in findings)
     assert [f.to_dict()["rule"] for f in findings] == ["calendar", "calendar"]
+
+
+def test_find_date_spans_finds_strict_shapes_only():
+    from draftmesh.factcheck.dates import find_date_spans
+
+    text = "Signed on February 30, 2023 and again on 2024-03-05; 30 people came last year."
+    spans = find_date_spans(text)
+    assert [(m.text, m.label) for m in spans] == [("February 30, 2023", "DATE"), ("2024-03-05", "DATE")]
+    assert all(text[m.start:m.end] == m.text for m in spans)
+    assert [f.rule for f in check_dates(text, spans)] == ["calendar"]

@@ -51,7 +51,10 @@ def check(checker: EntityChecker, text: str, entity: str, label: str = "PERSON",
     mentions = [subject, *(mention(text, d, "DATE") for d in dates), *(mention(text, s, lab) for s, lab in others)]
     findings = checker.check(text, subject, mentions)
     for f in findings:
-        assert (f.check, f.start, f.end, f.text, f.label) == ("wikidata", subject.start, subject.end, entity, label)
+        # Entity rules sit on the entity's span; date rules on the date they compare.
+        dates_at = [m for m in mentions if m.label == "DATE" and (m.start, m.end) == (f.start, f.end)]
+        span = subject if f.rule in ("exists", "type") else dates_at[0]
+        assert (f.check, f.start, f.end, f.text, f.label) == ("wikidata", span.start, span.end, span.text, span.label)
     return by_rule(findings)
 
 

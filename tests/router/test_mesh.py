@@ -26,6 +26,7 @@ pytestmark = pytest.mark.slow
 
 API_KEY = "test-key-0123456789"
 TESTS_DIR = Path(__file__).resolve().parents[1]
+WIKIDATA = TESTS_DIR / "fixtures" / "wikidata"
 COPY_PROMPT = (
     "Copy this sentence exactly, then stop: The quick brown fox jumps over the lazy dog "
     "while the cat sleeps on the warm windowsill."
@@ -61,8 +62,13 @@ def mesh(external_source):
             "extern": {"address": external_source, "token_ids": True},
             "down": {"address": f"127.0.0.1:{free_port()}"},
         },
+        # The workers (started by the launcher in their own environment when it exists) check
+        # entities against an offline store built from the recorded Wikidata excerpts.
+        factcheck_options={"wikidata": "offline", "wikidata_dump": [str(WIKIDATA / "entity-Q42.json")],
+                           "block_ms": 200},
     )
     running = start_mesh(cfg, ray_init={"num_cpus": 4})
+    assert running.factcheck_workers is not None and running.redis is not None
     print(f"mesh started in {running.started_s:.1f}s at {running.address}")
     yield running
     running.stop()
@@ -332,6 +338,72 @@ def test_concurrent_clients_get_correct_outputs_and_excess_is_refused(stub, engi
     assert wait_idle()["active"] == 0
 
 
+# ---------------------------------------------------------------------------- fact-check
+FACTS = "Douglas Adams was born on 11 March 1952. Zorblax Quintavian was born on February 30, 2023."
+
+
+def findings(report) -> set[tuple]:
+    return {(a.check, a.rule, a.text, a.verdict, a.flagged, a.entity_id) for a in report.annotations}
+
+
+def test_factcheck_rpc_flags_a_wrong_date_and_an_unknown_entity(stub):
+    report = stub.FactCheck(pb.FactCheckRequest(text=FACTS, wait_ms=20_000), metadata=AUTH, timeout=60)
+    assert report.status == "done", report
+    got = findings(report)
+    assert ("wikidata", "exists", "Douglas Adams", "supported", False, "Q42") in got
+    assert ("wikidata", "birth_date", "11 March 1952", "supported", False, "Q42") in got
+    assert ("wikidata", "exists", "Zorblax Quintavian", "not_found", True, "") in got
+    assert ("date", "calendar", "February 30, 2023", "contradicted", True, "") in got
+    assert all(FACTS[a.start:a.end] == a.text for a in report.annotations)
+    # The same text again is the cached annotation; by id it is fetched without a recheck.
+    again = stub.FactCheck(pb.FactCheckRequest(annotation_id=report.annotation_id), metadata=AUTH, timeout=60)
+    assert again.status == "done" and findings(again) == got
+
+
+@pytest.mark.parametrize("request_msg, code, needle", [
+    (pb.FactCheckRequest(), grpc.StatusCode.INVALID_ARGUMENT, "give exactly one of text and annotation_id"),
+    (pb.FactCheckRequest(text="x", wait_ms=99_999), grpc.StatusCode.INVALID_ARGUMENT, "wait_ms: must be <= 60000"),
+])
+def test_factcheck_rpc_bad_input(stub, request_msg, code, needle):
+    with pytest.raises(grpc.RpcError) as info:
+        stub.FactCheck(request_msg, metadata=AUTH, timeout=30)
+    assert info.value.code() == code and needle in info.value.details()
+    with pytest.raises(grpc.RpcError) as info:
+        stub.FactCheck(pb.FactCheckRequest(text=FACTS), timeout=30)  # no key
+    assert info.value.code() == grpc.StatusCode.UNAUTHENTICATED
+
+
+def test_generate_reports_the_output_factcheck(stub, engine):
+    text = "Repeat exactly: " + FACTS
+    got = stub.Complete(chat(text, 40, factcheck=pb.FactCheckOptions(wait_ms=20_000)), metadata=AUTH, timeout=120)
+    assert list(got.token_ids) == in_process(engine, text, 40).token_ids  # annotating changes nothing
+    assert got.factcheck.status == "done", got.factcheck
+    assert all(got.text[a.start:a.end] == a.text for a in got.factcheck.annotations)
+    # The same checks as an on-demand FactCheck of the same text.
+    direct = stub.FactCheck(pb.FactCheckRequest(text=got.text, wait_ms=20_000), metadata=AUTH, timeout=60)
+    assert findings(direct) == findings(got.factcheck)
+    fetched = stub.FactCheck(pb.FactCheckRequest(annotation_id=got.factcheck.annotation_id), metadata=AUTH, timeout=60)
+    assert findings(fetched) == findings(got.factcheck)
+    # Opting out, and not waiting.
+    off = stub.Complete(chat(text, 8, factcheck=pb.FactCheckOptions(enabled=False)), metadata=AUTH, timeout=120)
+    assert off.factcheck.status == "skipped" and not off.factcheck.annotations
+    nowait = stub.Complete(chat(text, 8, factcheck=pb.FactCheckOptions(wait_ms=0)), metadata=AUTH, timeout=120)
+    assert nowait.factcheck.status == "pending" and nowait.factcheck.annotation_id
+
+
+def test_lossy_requests_send_their_drafts_to_the_factcheck_service(stub):
+    doc = "Zorblax Quintavian was born on February 30, 2023 in the town of Quintavia, where he still lives."
+    req = chat("Using the document, say where and when Zorblax Quintavian was born.", 40,
+               documents=[pb.Document(id="d", text=doc)],
+               speculation=pb.Speculation(policy="typical"), factcheck=pb.FactCheckOptions(wait_ms=20_000))
+    got = stub.Complete(req, metadata=AUTH, timeout=120)
+    assert not got.lossless and got.policy == "typical"
+    assert got.factcheck.status == "done" and got.factcheck.drafts_submitted > 0, got.factcheck
+    exact = stub.Complete(chat("Using the document, say where Zorblax lives.", 20, documents=[pb.Document(id="d", text=doc)]),
+                          metadata=AUTH, timeout=120)
+    assert exact.lossless and exact.factcheck.drafts_submitted == 0  # drafts matter only to lossy policies
+
+
 # ---------------------------------------------------------------------------- losing a replica (keep last)
 def test_a_lost_verifier_replica_fails_its_request_cleanly_and_the_session_is_recomputed(stub, engine):
     import ray
@@ -355,3 +427,17 @@ def test_a_lost_verifier_replica_fails_its_request_cleanly_and_the_session_is_re
     again = stub.Complete(chat(text, 16, session_id="sess-lost"), metadata=AUTH, timeout=300)
     assert list(again.token_ids) == list(first.token_ids) == in_process(engine, text, 16).token_ids
     assert again.replica != first.replica
+
+
+# ---------------------------------------------------------------------------- losing Redis (keep very last)
+def test_without_redis_generation_goes_on_and_annotations_say_unavailable(mesh, stub, engine):
+    mesh.redis.stop()
+    text = "Name three primary colours."
+    got = stub.Complete(chat(text, 16), metadata=AUTH, timeout=120)
+    assert list(got.token_ids) == in_process(engine, text, 16).token_ids
+    assert got.factcheck.status == "unavailable"
+    lossy = stub.Complete(chat(text, 16, speculation=pb.Speculation(policy="typical")), metadata=AUTH, timeout=120)
+    assert lossy.factcheck.status == "unavailable" and lossy.lenient_tokens == 0  # unknown flags: exact only
+    with pytest.raises(grpc.RpcError) as info:
+        stub.FactCheck(pb.FactCheckRequest(text=FACTS), metadata=AUTH, timeout=30)
+    assert info.value.code() == grpc.StatusCode.UNAVAILABLE
