@@ -56,10 +56,10 @@ test: models factcheck-env
 test-fast: setup
 	$(PY) -m pytest -q -m "not slow" $(PYTEST_ARGS)
 
-demo: models
+demo: models factcheck-env
 	$(PY) -m draftmesh.cli demo --threads 2 --log-level WARNING
 
-serve: models
+serve: models factcheck-env
 	$(PY) -m draftmesh.cli serve $(SERVE_ARGS)
 
 bench: models
