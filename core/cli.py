@@ -211,6 +211,8 @@ def build_parser() -> argparse.ArgumentParser:
     # where the engine's imports (grpc, torch's bench) need not exist. Listed here for --help.
     sub.add_parser("factcheck-worker", help="annotate draft spans and outputs from the Redis stream (see its --help)",
                    add_help=False)
+    sub.add_parser("factcheck-bench", help="annotation latency/throughput per NER backend and the effect on tokens/s",
+                   add_help=False)
 
     srv = sub.add_parser("serve", help="run the mesh: Ray Serve deployments behind the gRPC front door")
     add_config_arguments(srv, MeshConfig)
@@ -240,6 +242,10 @@ def main(argv: list[str] | None = None) -> int:
         from draftmesh.factcheck.worker import main as worker_main
 
         return worker_main(argv[1:])
+    if argv[:1] == ["factcheck-bench"]:
+        from draftmesh.factcheck.bench import main as factcheck_bench_main
+
+        return factcheck_bench_main(argv[1:])
     args = build_parser().parse_args(argv)
     logging.basicConfig(level=logging.INFO if args.verbose else logging.WARNING, format="%(levelname)s %(name)s: %(message)s")
     try:

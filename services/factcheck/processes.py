@@ -43,20 +43,21 @@ class WorkerProcesses:
     """``count`` workers started with ``python -m draftmesh.factcheck.worker --config FILE``."""
 
     def __init__(self, config: FactCheckConfig, count: int, python: str | None = None,
-                 extra_args: Sequence[str] = ()) -> None:
+                 extra_args: Sequence[str] = (), nice: int = 10) -> None:
         if not config.redis_url:
             raise ValueError("fact-check workers need a Redis URL")
         self.config = config
         self.count = count
         self.python = find_worker_python(python)
         self.extra_args = list(extra_args)
+        self.nice = nice
+        """Workers run at a lower CPU priority: on one machine they share the cores with the
+        engine, whose steps are latency-critical, while annotation is asynchronous anyway."""
         self.procs: list[subprocess.Popen] = []
         self.names: list[str] = []
         self._dir: tempfile.TemporaryDirectory | None = None
 
     def start(self) -> "WorkerProcesses":
-        from draftmesh.redis_server import _die_with_parent
-
         self._dir = tempfile.TemporaryDirectory(prefix="draftmesh-factcheck-")
         path = Path(self._dir.name) / "factcheck.yaml"
         path.write_text(yaml.safe_dump(self.config.to_dict()))
@@ -67,9 +68,16 @@ class WorkerProcesses:
             cmd = [self.python, "-m", "draftmesh.factcheck.worker", "--config", str(path), "--name", name,
                    *self.extra_args]
             self.names.append(name)
-            self.procs.append(subprocess.Popen(cmd, env=env, preexec_fn=_die_with_parent))
+            self.procs.append(subprocess.Popen(cmd, env=env, preexec_fn=self._child_setup))
         log.info("started %d fact-check worker(s) with %s", self.count, self.python)
         return self
+
+    def _child_setup(self) -> None:
+        from draftmesh.redis_server import _die_with_parent
+
+        _die_with_parent()
+        if self.nice:
+            os.nice(self.nice)
 
     def wait_ready(self, timeout_s: float = 60.0) -> None:
         """Until every worker has joined the consumer group (it reads once its checks are loaded)."""

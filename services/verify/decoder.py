@@ -15,6 +15,7 @@ import dataclasses
 import logging
 import time
 import uuid
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from typing import Any, Callable, Iterator, Mapping, Protocol, Sequence
 
@@ -159,6 +160,7 @@ class SpeculativeDecoder:
         self.flag_provider = flag_provider
         self.caller = SourceCaller(source_deadline_s)
         self.kv_pool = kv_pool
+        self._flag_pool: ThreadPoolExecutor | None = None
 
     # ------------------------------------------------------------------ validation
     def validate(self, req: GenerationRequest) -> AcceptancePolicy:
@@ -237,11 +239,13 @@ class SpeculativeDecoder:
                 tree, proposed, failed = self._draft(ctx, active, req.source_caps, state.length, remaining)
             t1 = time.perf_counter()
             base = state.length
-            logits = target.forward_tree(state, pending, tree)
-            flagged = frozenset()
-            # Flags only restrict lenient acceptance: the exact policy never needs them.
+            # Flags only restrict lenient acceptance: the exact policy never needs them. Their
+            # lookup (a Redis round trip) runs while the target computes the tree.
+            flags = None
             if self.flag_provider is not None and not policy.lossless and ctx is not None and len(tree):
-                flagged = self._flags(ctx, tree)
+                flags = self._flag_thread().submit(self._flags, ctx, tree)
+            logits = target.forward_tree(state, pending, tree)
+            flagged = flags.result() if flags is not None else frozenset()
             verdict = policy.verify(tree, logits, req.sampling, generator, flagged)
             target.commit(state, base, [0] + [1 + a for a in verdict.accepted])
             cached += [pending] + [tree.tokens[a] for a in verdict.accepted]
@@ -370,6 +374,11 @@ class SpeculativeDecoder:
         tree = tree.truncate_depth(max_depth)
         tree.validate(self.target.vocab_size)
         return tree, proposed, tuple(failed)
+
+    def _flag_thread(self) -> ThreadPoolExecutor:
+        if self._flag_pool is None:
+            self._flag_pool = ThreadPoolExecutor(1, thread_name_prefix="draftmesh-flags")
+        return self._flag_pool
 
     def _flags(self, ctx: DraftContext, tree: TokenTree) -> frozenset[int]:
         try:

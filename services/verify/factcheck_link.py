@@ -17,6 +17,7 @@ acceptance until it is back, and their reports say "unavailable".
 from __future__ import annotations
 
 import logging
+import re
 import threading
 from collections import OrderedDict
 from dataclasses import dataclass, field
@@ -92,7 +93,7 @@ class FactCheckLink:
         spans: dict[str, tuple[str, list[int]]] = {}
         for path in sorted(paths, key=len, reverse=True):
             text = "".join(pieces[n] for n in path)
-            if len(text.strip()) >= self.min_span_chars and any(c.isalnum() for c in text):
+            if len(text.strip()) >= self.min_span_chars and _checkable(text):
                 spans.setdefault(annotation_id_for_text("draft", text), (text, path))
             if len(spans) >= self.max_spans_per_step:
                 break
@@ -229,6 +230,18 @@ def report_from_annotation(annotation: Annotation, report: FactCheckReport | Non
         report.status = "failed"
         report.error = annotation.error
     return report
+
+
+_CHECKABLE = re.compile(
+    r"[0-9A-Z]|\b(?:one|two|three|four|five|six|seven|eight|nine|ten|eleven|twelve|twenty|thirty|forty|fifty|"
+    r"sixty|seventy|eighty|ninety|hundred|thousand|million|billion)\b"
+)
+
+
+def _checkable(text: str) -> bool:
+    """Whether any check could find something: every check looks at a name (capitalized), a
+    date or a figure (digits, number words). Other spans are not worth a worker's time."""
+    return _CHECKABLE.search(text) is not None
 
 
 def _leaf_paths(tree: TokenTree) -> list[list[int]]:

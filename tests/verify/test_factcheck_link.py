@@ -219,3 +219,13 @@ def test_a_lossy_policy_never_accepts_a_flagged_draft_leniently(smollm2, service
     assert "by 30 basis points" not in guarded.text
     report = link.annotate_output("guarded", guarded.text, wait_s=20)
     assert report.status == "done" and report.flagged_steps >= 1 and report.drafts_submitted == 0
+
+
+def test_only_spans_a_check_could_flag_are_sent(tokenizer, service):
+    _, client = service
+    link = FactCheckLink(client, tokenizer)
+    link(ctx(), chain(tokenizer, " and then we went home for the night"))  # no name, date or figure
+    assert client.stats()["sent"] == 0
+    for text in (" and then we met Alice at home", " and then it was 2023 again", " rates rose by fifty basis points"):
+        link(ctx(), chain(tokenizer, text))
+    assert client.stats()["sent"] == 3
