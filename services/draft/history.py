@@ -25,7 +25,7 @@ import hashlib
 import threading
 from collections import Counter, OrderedDict, deque
 from dataclasses import dataclass
-from typing import Protocol, Sequence
+from typing import Any, Protocol, Sequence
 
 import numpy as np
 
@@ -314,7 +314,8 @@ class HistorySource:
         max_ngram: int = 8,
         max_near: int = 2,
         max_requests: int = 256,
-        resume_window: int = 0,
+        resume_window: int = 8,
+        tokenizer: Any = None,
     ) -> None:
         self.store: AnswerStore = store if store is not None else InMemoryAnswerStore()
         self.max_proposals, self.max_tokens = max_proposals, max_tokens
@@ -322,8 +323,13 @@ class HistorySource:
         self.max_near, self.max_requests = max_near, max_requests
         # > 0: when no n-gram matches, look for the last token only within this many
         # positions of where the previous copy would have got to (resuming a copy after
-        # the model changed a word). Off by default: not yet shown to pay (see BENCHMARKS).
+        # the model changed a word, e.g. fixing a typo). 0 turns it off.
         self.resume_window = resume_window
+        # The answer's first word usually lacks the leading space the same word has inside
+        # the prompt ("The" vs " The"), so no n-gram matches for the first steps of a copy.
+        # With the tokenizer, those steps also look for the spaced variant of the answer's start.
+        self.tokenizer = tokenizer
+        self._spaced: dict[int, int | None] = {}
         self._requests: OrderedDict[str, _RequestState] = OrderedDict()
         self._lock = threading.Lock()
 
@@ -337,6 +343,8 @@ class HistorySource:
                 candidates += _weighted(found.branches, found.length, self.max_ngram, 1.0)
                 if index is state.context and self.resume_window:
                     candidates += self._resume(state, ctx, found, max_len)
+        if not candidates:
+            candidates += self._answer_start(state, ctx, max_len)
         for track in state.answers:
             candidates += track.propose(ctx, max_len)
         scored: dict[tuple[int, ...], float] = {}
@@ -345,6 +353,36 @@ class HistorySource:
                 scored[tokens] = confidence
         best = sorted(scored.items(), key=lambda item: -item[1])[: self.max_proposals]
         return [Proposal(source=self.name, token_ids=tokens, confidence=conf) for tokens, conf in best]
+
+    def _answer_start(self, state: _RequestState, ctx: DraftContext, max_len: int) -> list[tuple[tuple[int, ...], float]]:
+        """Continuations of the answer so far (at most 3 tokens) where it occurs in the prompt
+        with a space before its first word."""
+        generated = list(ctx.token_ids[ctx.prompt_len :])
+        if self.tokenizer is None or not 1 <= len(generated) <= 3:
+            return []
+        spaced = self._spaced_variant(generated[0])
+        if spaced is None:
+            return []
+        needle = [spaced, *generated[1:]]
+        prompt = ctx.token_ids[: ctx.prompt_len]
+        found: dict[tuple[int, ...], float] = {}
+        for pos in range(len(prompt) - len(needle), -1, -1):  # latest occurrence first
+            if list(prompt[pos : pos + len(needle)]) == needle:
+                cont = tuple(prompt[pos + len(needle) : pos + len(needle) + max_len])
+                if cont and cont not in found:
+                    if not found:  # the copy the resume window follows after a miss
+                        state.copy = (pos + len(needle), len(ctx.token_ids))
+                    found[cont] = 1.0 / self.max_ngram
+                    if len(found) >= self.max_proposals:
+                        break
+        return list(found.items())
+
+    def _spaced_variant(self, token: int) -> int | None:
+        if token not in self._spaced:
+            text = self.tokenizer.decode([token])
+            ids = self.tokenizer.encode(" " + text, add_special_tokens=False) if text and not text[0].isspace() else []
+            self._spaced[token] = ids[0] if len(ids) == 1 else None
+        return self._spaced[token]
 
     def _resume(self, state: _RequestState, ctx: DraftContext, found, max_len: int) -> list[tuple[tuple[int, ...], float]]:
         """Track where the request copies from; after a miss, resume near that place."""

@@ -39,6 +39,7 @@ def _history(env: SourceEnv, **options: Any) -> DraftSource:
         store = RedisAnswerStore.from_url(env.redis_url, hasher=hasher)
     else:
         store = InMemoryAnswerStore(hasher=hasher)
+    options.setdefault("tokenizer", env.tokenizer)
     return HistorySource(store, **options)
 
 

@@ -58,9 +58,23 @@ def test_resume_window_picks_a_copy_up_after_a_changed_token():
     # but 10 sits where the copy would be, so the copy resumes after it
     got = source.propose(ctx(prompt, [6, 7, 8, 99, 10], request_id="r"))
     assert token_ids(got) == [(11, 12, 13)] and got[0].confidence == pytest.approx(1 / 8)
-    off = HistorySource(max_tokens=3)
+    off = HistorySource(max_tokens=3, resume_window=0)
     off.propose(ctx(prompt, [6, 7, 8], request_id="r"))
     assert off.propose(ctx(prompt, [6, 7, 8, 99, 10], request_id="r")) == []
+
+
+def test_the_answer_start_matches_the_spaced_word_in_the_prompt(smol_tokenizer, encode):
+    prompt = encode("Fix the typos and repeat it: The quick brown fox jumsp over the dog.\n")
+    first = encode("The")  # the answer's first word: no leading space, unlike " The" in the prompt
+    assert first != encode(" The")[:1]
+    plain = HistorySource(max_tokens=4)
+    assert plain.propose(ctx(prompt, first)) == []  # no 2-gram of the answer is in the prompt
+    source = HistorySource(max_tokens=4, tokenizer=smol_tokenizer)
+    got = source.propose(ctx(prompt, first))
+    assert token_ids(got) == [tuple(encode(" quick brown fox jumsp")[:4])]
+    # Only at the start of an answer: later the n-grams take over.
+    later = first + encode(" quick brown fox jumsp over the")
+    assert token_ids(source.propose(ctx(prompt, later)))[0][0] == encode(" dog")[0]
 
 
 def test_two_continuations_become_two_proposals_weighted_by_count(encode):
