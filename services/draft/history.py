@@ -336,17 +336,19 @@ class HistorySource:
     def propose(self, ctx: DraftContext) -> list[Proposal]:
         state = self._state(ctx)
         max_len = min(self.max_tokens, max(1, ctx.size_hint))
+        answers = [c for track in state.answers for c in track.propose(ctx, max_len)]
         candidates = []
         for index in (state.context, state.session):
             if index is not None:
                 found = index.lookup(ctx.token_ids, max_len)
                 candidates += _weighted(found.branches, found.length, self.max_ngram, 1.0)
-                if index is state.context and self.resume_window:
+                if index is state.context and self.resume_window and not answers:
                     candidates += self._resume(state, ctx, found, max_len)
-        if not candidates:
+        # The guesses from the prompt only when no earlier answer is being followed: they
+        # would take tree nodes from a far better draft.
+        if not candidates and not answers:
             candidates += self._answer_start(state, ctx, max_len)
-        for track in state.answers:
-            candidates += track.propose(ctx, max_len)
+        candidates += answers
         scored: dict[tuple[int, ...], float] = {}
         for tokens, confidence in candidates:
             if tokens and confidence > scored.get(tokens, -1.0):

@@ -9,7 +9,9 @@ alias match) and reports, on the mention's span:
   linked entity's P31 (instance of) has none of those types, else supported;
 - date rules (``birth_date``, ``death_date``, ``founding_date``, ``dissolution_date``,
   ``publication_date``): a DATE mention in the same sentence, next to a trigger word ("born",
-  "died", ...), compared with the entity's claim at the coarser of the two precisions.
+  "died", ...), compared with the entity's claim at the coarser of the two precisions;
+- quantity rules (``population``, ``employees``): a CARDINAL/QUANTITY figure next to a trigger
+  word, compared with the entity's claimed values within a relative tolerance.
 
 A failing lookup gives one ``unverified`` finding: the check never raises for Wikidata's sake.
 """
@@ -18,17 +20,19 @@ from __future__ import annotations
 
 import logging
 import re
+from decimal import Decimal
 from dataclasses import dataclass
-from typing import Sequence
+from typing import Any, Sequence
 
 
 from .dates import parse_date as parse_calendar_date
 from .findings import Finding, Mention
+from .numeric import parse_number
 from .wikidata import Entity, EntityLookup, SearchHit, WikidataError, WikidataTime, normalize_name
 
 log = logging.getLogger(__name__)
 
-__all__ = ["DATE_RULES", "LINKABLE_LABELS", "TYPE_SETS", "DateRule", "EntityChecker", "parse_date"]
+__all__ = ["DATE_RULES", "LINKABLE_LABELS", "QUANTITY_RULES", "TYPE_SETS", "DateRule", "EntityChecker", "QuantityRule", "parse_date"]
 
 LINKABLE_LABELS: frozenset[str] = frozenset(
     {"PERSON", "ORG", "GPE", "LOC", "NORP", "FAC", "WORK_OF_ART", "EVENT", "PRODUCT", "MISC"}
@@ -63,6 +67,26 @@ DATE_RULES: tuple[DateRule, ...] = (
 )
 """Trigger words and the property they date. A trigger counts for a DATE mention when at
 most ``TRIGGER_GAP_WORDS`` words separate them ("born in Cambridge on 11 March 1952")."""
+
+
+@dataclass(frozen=True)
+class QuantityRule:
+    rule: str
+    prop: str
+    trigger: re.Pattern[str]
+    tolerance: float
+    """Relative difference still taken as agreement: counts like populations change over
+    the years and texts round them ("about 3.6 million")."""
+
+
+QUANTITY_RULES: tuple[QuantityRule, ...] = (
+    QuantityRule("population", "P1082", re.compile(r"\b(?:population|inhabitants|residents)\b", re.I), 0.15),
+    QuantityRule("employees", "P1128", re.compile(r"\b(?:employees|employs|staff|workforce)\b", re.I), 0.25),
+)
+"""Counts compared with a claim: a CARDINAL or QUANTITY mention next to the trigger, about the
+entity the sentence is about, against any of the entity's values of the property."""
+
+QUANTITY_LABELS = frozenset({"CARDINAL", "QUANTITY"})
 
 TRIGGER_GAP_WORDS = 5
 
@@ -203,7 +227,44 @@ class EntityChecker:
                     self._finding(mention, "contradicted", "type", entity_id, f"P31 = {shown}; a {mention.label} is one of {expected}")
                 )
         findings.extend(self._date_findings(text, mention, mentions, entity))
+        findings.extend(self._quantity_findings(text, mention, mentions, entity))
         return findings
+
+    def _quantity_findings(self, text: str, mention: Mention, mentions: Sequence[Mention], entity: Entity) -> list[Finding]:
+        lo, hi = _sentence_bounds(text, mention.start)
+        in_sentence = [m for m in mentions if lo <= m.start and m.end <= hi]
+        figures = [m for m in in_sentence if m.label in QUANTITY_LABELS]
+        if not figures:
+            return []
+        entities = [m for m in in_sentence if m.label in LINKABLE_LABELS]
+        if all((m.start, m.end) != (mention.start, mention.end) for m in entities):
+            entities.append(mention)
+        findings = []
+        for figure in figures:
+            found = self._trigger_near(text[lo:hi], lo, figure, QUANTITY_RULES)
+            if found is None:
+                continue
+            rule, t_start, t_end = found
+            subject = _subject(entities, t_start, max(t_end, figure.end), figure)
+            if subject is None or (subject.start, subject.end) != (mention.start, mention.end):
+                continue
+            value = parse_number(figure.text)
+            if value is None:
+                continue
+            findings.append(self._compare_quantity(entity, rule, figure, value))
+        return findings
+
+    def _compare_quantity(self, entity: Entity, rule: QuantityRule, figure: Mention, value: Decimal) -> Finding:
+        """A finding on the figure: within the rule's tolerance of any claimed value, or not."""
+        claims = [amount for amount, _unit in entity.quantities(rule.prop)]
+        if not claims:
+            return self._finding(figure, "unverified", rule.rule, entity.id, f"{entity.id} has no {rule.prop} claim (text: {value})")
+        close = [c for c in claims if abs(value - c) <= Decimal(str(rule.tolerance)) * abs(c)]
+        if close:
+            return self._finding(figure, "supported", rule.rule, entity.id, f"{rule.prop} = {close[0]:,} (text: {value:,})")
+        shown = ", ".join(f"{c:,}" for c in sorted(claims, reverse=True)[:3])
+        return self._finding(figure, "contradicted", rule.rule, entity.id,
+                             f"{rule.prop} = {shown}; text says {value:,} (more than {rule.tolerance:.0%} off)")
 
     def _date_findings(self, text: str, mention: Mention, mentions: Sequence[Mention], entity: Entity) -> list[Finding]:
         lo, hi = _sentence_bounds(text, mention.start)
@@ -231,16 +292,16 @@ class EntityChecker:
         return findings
 
     @staticmethod
-    def _trigger_near(sentence: str, offset: int, date: Mention) -> tuple[DateRule, int, int] | None:
-        """The trigger word nearest to ``date`` within TRIGGER_GAP_WORDS words (absolute offsets)."""
+    def _trigger_near(sentence: str, offset: int, span: Mention, rules: Sequence = DATE_RULES) -> tuple[Any, int, int] | None:
+        """The trigger word nearest to ``span`` within TRIGGER_GAP_WORDS words (absolute offsets)."""
         best: tuple[int, DateRule, int, int] | None = None
-        for rule in DATE_RULES:
+        for rule in rules:
             for m in rule.trigger.finditer(sentence):
                 start, end = m.start() + offset, m.end() + offset
-                if end <= date.start:
-                    gap = sentence[end - offset : date.start - offset]
-                elif start >= date.end:
-                    gap = sentence[date.end - offset : start - offset]
+                if end <= span.start:
+                    gap = sentence[end - offset : span.start - offset]
+                elif start >= span.end:
+                    gap = sentence[span.end - offset : start - offset]
                 else:
                     continue  # inside the date span itself
                 words = len(_WORD.findall(gap))
@@ -275,10 +336,10 @@ def _types(entity: Entity | None) -> frozenset[str]:
     return entity.instance_of() if entity is not None else frozenset()
 
 
-def _subject(entities: list[Mention], trigger_start: int, after: int, date: Mention) -> Mention | None:
+def _subject(entities: list[Mention], trigger_start: int, after: int, span: Mention) -> Mention | None:
     """Whom a trigger is about: the nearest entity mention before it, else the first after
-    both the trigger and the date ("Born in 1952, Douglas Adams ...")."""
-    before = [m for m in entities if m.end <= trigger_start and not (m.start < date.end and date.start < m.end)]
+    both the trigger and the span ("Born in 1952, Douglas Adams ...")."""
+    before = [m for m in entities if m.end <= trigger_start and not (m.start < span.end and span.start < m.end)]
     if before:
         return max(before, key=lambda m: m.end)
     later = [m for m in entities if m.start >= after]

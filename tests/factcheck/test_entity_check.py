@@ -244,3 +244,34 @@ def test_checker_refuses_a_language_the_store_lacks(store):
 )
 def test_parse_date_detects_the_precision(text, parsed):
     assert parse_date(text) == parsed
+
+
+def quantity_check(checker, text: str, figure: str):
+    subject = mention(text, "Karlsruhe", "GPE")
+    fig = mention(text, figure, "CARDINAL")
+    findings = checker.check(text, subject, [subject, fig])
+    return {f.rule: f for f in findings}, fig
+
+
+@pytest.mark.parametrize(
+    "text, figure, verdict",
+    [
+        ("Karlsruhe has a population of 300,000.", "300,000", "supported"),  # claimed: 291,959 to 300,711 and more
+        ("Karlsruhe has a population of about 0.3 million.", "0.3 million", "supported"),
+        ("Karlsruhe has a population of 3 million.", "3 million", "contradicted"),
+        ("Karlsruhe, with 45,000 inhabitants, lies on the Rhine.", "45,000", "contradicted"),
+    ],
+)
+def test_population_is_compared_with_the_claims_on_the_figure(checker, text, figure, verdict):
+    found, fig = quantity_check(checker, text, figure)
+    population = found["population"]
+    assert population.verdict == verdict, population
+    assert (population.start, population.end, population.text) == (fig.start, fig.end, fig.text)
+    assert population.entity_id == found["exists"].entity_id and "P1082" in population.evidence
+
+
+def test_a_figure_without_a_trigger_or_a_claim_is_not_compared(checker):
+    found, _ = quantity_check(checker, "Karlsruhe has 300,000 trees.", "300,000")
+    assert "population" not in found
+    found, _ = quantity_check(checker, "Karlsruhe has 2,000 employees.", "2,000")
+    assert found["employees"].verdict == "unverified"  # the recorded Karlsruhe has no P1128
