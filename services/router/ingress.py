@@ -117,10 +117,10 @@ class Router:
         return report_to_proto(report_from_annotation(annotation))
 
     def _fetch(self, annotation_id: str, wait_s: float):
-        found = self.factcheck.ready([annotation_id]).get(annotation_id)
+        found = self.factcheck.wait(annotation_id, wait_s)  # reads the key first; 0 s: only that
         if found is None and not self.factcheck.available:
             raise FactCheckUnavailable("Redis unreachable")
-        return found if found is not None or wait_s <= 0 else self.factcheck.wait(annotation_id, wait_s)
+        return found
 
     # ------------------------------------------------------------------ steps of a request
     def _authenticate(self, ctx: RayServegRPCContext) -> None:

@@ -375,6 +375,12 @@ class SpeculativeDecoder:
         tree.validate(self.target.vocab_size)
         return tree, proposed, tuple(failed)
 
+    def close(self) -> None:
+        """Release the threads that ask sources and look up flags (a decoder being replaced)."""
+        self.caller.close()
+        if self._flag_pool is not None:
+            self._flag_pool.shutdown(wait=False)
+
     def _flag_thread(self) -> ThreadPoolExecutor:
         if self._flag_pool is None:
             self._flag_pool = ThreadPoolExecutor(1, thread_name_prefix="draftmesh-flags")

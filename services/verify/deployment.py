@@ -108,4 +108,4 @@ class VerifierPool:
             raise RuntimeError("reset_state needs an idle replica")
         old, self.replica.decoder = self.replica.decoder, self._new_decoder()
         self.replica.factcheck = self._factcheck
-        old.caller.close()
+        old.close()
