@@ -81,8 +81,7 @@ def start_mesh(cfg: MeshConfig, *, ray_init: dict[str, Any] | None = None) -> Ru
             if cfg.address is None:
                 # A private single-machine cluster: no token auth to configure, no dashboard.
                 os.environ.setdefault("RAY_AUTH_MODE", "disabled")
-            ray.init(address=cfg.address or "local", include_dashboard=False, log_to_driver=True,
-                     **(ray_init or {}))
+            _init_ray(cfg.address or "local", ray_init or {})
             running._cleanup.append(ray.shutdown)
 
         tls = cfg.tls_cert is not None
@@ -114,3 +113,22 @@ def start_mesh(cfg: MeshConfig, *, ray_init: dict[str, Any] | None = None) -> Ru
     except BaseException:
         running.stop()
         raise
+
+
+def _init_ray(address: str, options: dict[str, Any], attempts: int = 2) -> None:
+    """``ray.init``, tried once more when a local node does not come up in time.
+
+    On a loaded 2-core machine Ray's GCS sometimes never publishes its port within Ray's
+    30 s ("Timed out waiting for file .../gcs_server_port_..."; seen in CI, cause not found).
+    The half-started node is shut down and a fresh one started; other errors are raised."""
+    import ray
+
+    for attempt in range(1, attempts + 1):
+        try:
+            ray.init(address=address, include_dashboard=False, log_to_driver=True, **options)
+            return
+        except RuntimeError as exc:
+            if attempt == attempts or address != "local" or "Timed out waiting for file" not in str(exc):
+                raise
+            log.warning("Ray did not start (%s); retrying once", exc)
+            ray.shutdown()
