@@ -49,6 +49,8 @@ HF = "hf"
 HF_PLD = "hf-pld"
 HF_ASSIST = "hf-assist"
 DRAFTMESH = "draftmesh"
+DRAFTMESH_TRACED = "draftmesh-traced"
+"""draftmesh with OpenTelemetry tracing on (spans exported over OTLP to an in-process receiver)."""
 ENGINE_PREFIX = "draftmesh:"
 POLICY_SEPARATOR = "+"
 ALL_DEFAULT_ABLATIONS = "draftmesh:*"
@@ -85,6 +87,8 @@ class Method:
     lossless: bool = True
     policy: str = "exact"
     """Engine only: the acceptance policy (``draftmesh+typical``); only "exact" is lossless."""
+    traced: bool = False
+    """Engine only: tracing on during its runs (``draftmesh-traced``)."""
 
 
 def _registry():
@@ -143,6 +147,8 @@ def parse_methods(
             methods.append(Method(PLAIN, "engine", sources=()))
         elif name == DRAFTMESH:
             methods.append(Method(DRAFTMESH, "engine", sources=None))
+        elif name == DRAFTMESH_TRACED:
+            methods.append(Method(DRAFTMESH_TRACED, "engine", sources=None, traced=True))
         elif name.startswith(ENGINE_PREFIX):
             source = name[len(ENGINE_PREFIX) :]
             if source not in available:
@@ -163,7 +169,7 @@ def parse_methods(
             methods.append(Method(HF_ASSIST, "hf", hf_mode="assist"))
         else:
             valid = ", ".join(
-                [*BASE_METHODS, ALL_DEFAULT_ABLATIONS, *MESH_METHODS] + [ENGINE_PREFIX + s for s in available]
+                [*BASE_METHODS, DRAFTMESH_TRACED, ALL_DEFAULT_ABLATIONS, *MESH_METHODS] + [ENGINE_PREFIX + s for s in available]
             )
             raise ValueError(f"unknown method {name!r}; valid methods: {valid}")
     return methods
@@ -340,9 +346,15 @@ class EngineRunner:
         source_options: Mapping[str, Mapping] | None = None,
         max_nodes: int | None = None,
         policy: str = "exact",
+        traced: bool = False,
     ) -> None:
         self.name = name
         self.policy = policy
+        self.tracing = None
+        if traced:
+            from draftmesh.bench_tracing import tracing_switch
+
+            self.tracing = tracing_switch()
         self.lossless = policy == "exact"
         self.target = target
         self.sources = None if sources is None else tuple(sources)
@@ -378,9 +390,10 @@ class EngineRunner:
             documents=item.item.corpus,
             policy=self.policy,
         )
-        t0 = time.perf_counter()
-        res = self.decoder.generate(req)
-        seconds = time.perf_counter() - t0
+        with self.tracing.enabled() if self.tracing is not None else contextlib.nullcontext():
+            t0 = time.perf_counter()
+            res = self.decoder.generate(req)
+            seconds = time.perf_counter() - t0
         stats: dict[str, SourceStats] = {}
         names = [s.name for s in self.decoder.sources]
         if self.counter is not None:
@@ -751,7 +764,8 @@ def make_runner(
         raise ValueError(f"{method.name} runs through the mesh: use make_mesh_runners")
     if method.family == "engine":
         return EngineRunner(
-            method.name, target, method.sources, source_options=source_options, max_nodes=max_nodes, policy=method.policy
+            method.name, target, method.sources, source_options=source_options, max_nodes=max_nodes, policy=method.policy,
+            traced=method.traced,
         )
     return HFRunner(method.name, target, method.hf_mode or "greedy", assistant=assistant)
 
@@ -1293,6 +1307,10 @@ def format_report(report: BenchReport) -> str:
 
     if any(m in MESH_METHODS for m in methods):
         lines += ["", *format_mesh(report)]
+    if DRAFTMESH_TRACED in methods:
+        spans = report.meta.get("traced_spans_exported")
+        lines += ["", f"{DRAFTMESH_TRACED}: draftmesh with tracing on, {spans} spans exported over OTLP/gRPC to an "
+                      "in-process receiver; draftmesh: tracing off (no collector configured)"]
 
     bad = [r for r in report.results if r.identical_to_plain is False]
     if bad:
@@ -1730,6 +1748,9 @@ def run(args: argparse.Namespace) -> int:
         }
         name = model if isinstance(model, str) else getattr(target, "name", "model")
         meta["target"] = target_kind
+        traced = next((r.tracing for r in runners if getattr(r, "tracing", None) is not None), None)
+        if traced is not None:
+            meta["traced_spans_exported"] = traced.exported()
         report = BenchReport(name, threads, repeats, results, skipped, meta, mesh=mesh_info)
         print(format_report(report))
         if opt("json"):

@@ -7,6 +7,7 @@ import logging
 import os
 import sys
 
+from draftmesh import tracing
 from draftmesh.config import EngineConfig, MeshConfig, add_config_arguments, config_from_args
 
 
@@ -36,6 +37,7 @@ def cmd_run(args: argparse.Namespace) -> int:
     from draftmesh.verify.sampling import SamplingParams
 
     cfg = config_from_args(args)
+    tracing.setup_tracing("engine")
     target = load_target(cfg)
     decoder = decoder_from_config(target, cfg)
     if args.raw:
@@ -114,6 +116,7 @@ def cmd_draft_serve(args: argparse.Namespace) -> int:
         if not isinstance(options, dict):
             raise ValueError(f"{args.options_yaml}: the source options must be a mapping")
     source = build_source(args.source, args.model, {"options": options})
+    tracing.setup_tracing("draft")
     server, port = serve_source(source, args.port, host=args.host)
     stop = threading.Event()
     previous = signal.signal(signal.SIGTERM, lambda *_: stop.set())
@@ -146,8 +149,10 @@ def cmd_serve(args: argparse.Namespace) -> int:
     try:
         tls = " with TLS" if cfg.tls_cert else ""
         auth = f", {len(cfg.api_keys)} API key(s)" if cfg.api_keys else ""
+        metrics = f"; metrics http://{mesh.metrics_address}/metrics" if mesh.metrics_address else ""
+        traces = f"; traces to {tracing.configured_endpoint()}" if tracing.configured_by_env() else ""
         print(f"draftmesh: serving {cfg.model} on {mesh.address}{tls} (gRPC draftmesh.v1.Generation{auth}); "
-              f"redis {mesh.config.redis_url}; ready in {mesh.started_s:.1f}s. Ctrl-C to stop.", flush=True)
+              f"redis {mesh.config.redis_url}{metrics}{traces}; ready in {mesh.started_s:.1f}s. Ctrl-C to stop.", flush=True)
         stop.wait()
         print("draftmesh: stopping", file=sys.stderr, flush=True)
     finally:
@@ -161,6 +166,13 @@ def cmd_generate(args: argparse.Namespace) -> int:
     from draftmesh.client import run_generate_cli
 
     return run_generate_cli(args)
+
+
+def cmd_health(args: argparse.Namespace) -> int:
+    """Exit 0 when a running mesh's gRPC front door is healthy and serves the app, else 1 (container health checks)."""
+    from draftmesh.health import run_health_cli
+
+    return run_health_cli(args)
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -223,6 +235,13 @@ def build_parser() -> argparse.ArgumentParser:
     gen = sub.add_parser("generate", help="send one request to a running mesh and print the answer and its stats")
     add_generate_arguments(gen)
     gen.set_defaults(func=cmd_generate)
+
+    from draftmesh.health import add_health_arguments
+
+    health = sub.add_parser("health", help="check that a running mesh's gRPC front door is healthy and serves the app "
+                                           "(exit 0) or not (exit 1)")
+    add_health_arguments(health)
+    health.set_defaults(func=cmd_health)
 
     try:
         from draftmesh import bench

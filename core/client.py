@@ -27,6 +27,7 @@ from typing import Any
 
 import grpc
 
+from draftmesh import tracing
 from draftmesh.v1 import generation_pb2 as pb
 from draftmesh.v1 import generation_pb2_grpc as pb_grpc
 
@@ -201,7 +202,9 @@ class MeshClient:
             self._channel = grpc.secure_channel(addr, credentials, options=opts)
         else:
             self._channel = grpc.insecure_channel(addr, options=opts)
-        self._stub = pb_grpc.GenerationStub(self._channel)
+        # With tracing on in this process, each call sends its traceparent: the mesh's trace
+        # continues this client's.
+        self._stub = pb_grpc.GenerationStub(tracing.traced_channel(self._channel))
 
     def _call_args(self, timeout_s: float | None, metadata: Sequence[tuple[str, Any]]) -> dict[str, Any]:
         timeout = self.timeout_s if timeout_s is None else timeout_s
@@ -450,8 +453,9 @@ def run_generate_cli(args: argparse.Namespace) -> int:
     or a usage error), 1 any other failure, 130 interrupted."""
     try:
         request = _request_from_args(args)
+        tracing.setup_tracing("client")
         client = _client_from_args(args)
-    except CliError as exc:
+    except (CliError, ValueError) as exc:  # ValueError: a bad OTEL_* setting
         _print_error(str(exc))
         return 2
 

@@ -32,6 +32,11 @@ class EngineConfig:
         default=None, metadata={"help": "per-source options, e.g. {rag: {paths: [docs/]}} (config file only)"}
     )
     max_nodes: int = field(default=64, metadata={"help": "upper bound on token-tree nodes per step (the cost curve decides below it)"})
+    trace_steps: int = field(
+        default=256,
+        metadata={"help": "traced steps per request: a span per step (draft, sources, verify) for the first N steps; "
+                          "0: none, the request span keeps the totals (tracing is on only with OTEL_EXPORTER_OTLP_ENDPOINT)"},
+    )
 
     def __post_init__(self) -> None:
         if self.threads < 0:
@@ -40,6 +45,8 @@ class EngineConfig:
             raise ValueError(f"source_deadline_ms must be >= 0, got {self.source_deadline_ms}")
         if self.max_nodes < 0:
             raise ValueError(f"max_nodes must be >= 0, got {self.max_nodes}")
+        if self.trace_steps < 0:
+            raise ValueError(f"trace_steps must be >= 0, got {self.trace_steps}")
         if self.dtype not in typing.get_args(Dtype):
             raise ValueError(f"dtype must be one of {', '.join(typing.get_args(Dtype))}, got {self.dtype!r}")
 
@@ -66,6 +73,11 @@ class MeshConfig(EngineConfig):
     """The engine config plus what the served mesh needs (``draftmesh serve``, the Helm chart)."""
 
     grpc_port: int = field(default=9000, metadata={"help": "public gRPC port"})
+    metrics_port: int = field(
+        default=0,
+        metadata={"help": "Prometheus metrics port (/metrics) of the local Ray cluster `serve` starts (0: a free port, "
+                          "logged); on an existing cluster (--address) its nodes' own metrics export port"},
+    )
     address: str | None = field(default=None, metadata={"help": "Ray cluster address (default: start a local Ray)"})
     verifier_replicas: int = field(default=1, metadata={"help": "verifier pool replicas (each holds the target model)"})
     verifier_num_gpus: float = field(default=0.0, metadata={"help": "GPUs per verifier replica"})
@@ -113,6 +125,8 @@ class MeshConfig(EngineConfig):
                 raise ValueError(f"{name} must be >= 0, got {getattr(self, name)}")
         if not 0 < self.grpc_port < 65536:
             raise ValueError(f"grpc_port must be in 1..65535, got {self.grpc_port}")
+        if not 0 <= self.metrics_port < 65536:
+            raise ValueError(f"metrics_port must be in 0..65535, got {self.metrics_port}")
         if self.log_level not in typing.get_args(LogLevel):
             raise ValueError(f"log_level must be one of {', '.join(typing.get_args(LogLevel))}, got {self.log_level!r}")
         if (self.tls_cert is None) != (self.tls_key is None):

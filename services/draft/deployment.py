@@ -13,6 +13,7 @@ from typing import Any, Mapping
 
 from ray import serve
 
+from draftmesh import tracing
 from draftmesh.draft.registry import build_source
 from draftmesh.draft.wire import context_from_proto, proposals_to_proto
 from draftmesh.v1 import draft_source_pb2 as pb
@@ -23,10 +24,17 @@ log = logging.getLogger(__name__)
 @serve.deployment(name="draft", max_ongoing_requests=8, health_check_period_s=10)
 class DraftDeployment:
     def __init__(self, name: str, model: str, spec: Mapping[str, Any], redis_url: str | None = None) -> None:
+        tracing.setup_tracing("draft")
+        # Not a module global: Serve pickles this class by value, with the globals its methods use.
+        self._tracer = tracing.tracer("draftmesh.draft")
         self.name = name
         self.source = build_source(name, model, spec, redis_url)
 
-    async def Propose(self, request: pb.ProposeRequest) -> pb.ProposeResponse:
-        ctx = context_from_proto(request)
-        proposals = await asyncio.to_thread(self.source.propose, ctx)
-        return proposals_to_proto(self.name, proposals)
+    async def Propose(self, request: pb.ProposeRequest, trace_context: Mapping[str, str] | None = None) -> pb.ProposeResponse:
+        """``trace_context``: the W3C headers of the verifier step asking (ServeHandleSource)."""
+        with self._tracer.start_as_current_span(f"draft deployment {self.name}", context=tracing.extract(trace_context),
+                                           kind=tracing.SpanKind.SERVER) as span:
+            ctx = context_from_proto(request)
+            proposals = await asyncio.to_thread(self.source.propose, ctx)
+            span.set_attribute("draftmesh.proposals", len(proposals))
+            return proposals_to_proto(self.name, proposals)

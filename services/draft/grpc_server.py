@@ -15,6 +15,7 @@ import logging
 
 import grpc
 
+from draftmesh import tracing
 from draftmesh.draft import wire
 from draftmesh.draft.base import DraftSource
 from draftmesh.v1 import draft_source_pb2 as pb
@@ -70,6 +71,7 @@ def serve_source(
     server = grpc.server(
         cf.ThreadPoolExecutor(max_workers=max_workers, thread_name_prefix=f"draft-serve-{source.name}"),
         options=_SERVER_OPTIONS,
+        interceptors=tracing.server_interceptors(),
     )
     pb_grpc.add_DraftSourceServicer_to_server(DraftSourceServicer(source), server)
     bind = f"[{host}]:{port}" if ":" in host and not host.startswith("[") else f"{host}:{port}"

@@ -22,6 +22,7 @@ from typing import Any, Mapping
 
 import grpc
 
+from draftmesh import tracing
 from draftmesh.draft import wire
 from draftmesh.draft.base import DraftContext, Proposal
 from draftmesh.v1 import draft_source_pb2_grpc as pb_grpc
@@ -123,7 +124,8 @@ class GrpcDraftSource:
                     self._channel = grpc.secure_channel(self.address, creds, options=_CHANNEL_OPTIONS)
                 else:
                     self._channel = grpc.insecure_channel(self.address, options=_CHANNEL_OPTIONS)
-                self._stub = pb_grpc.DraftSourceStub(self._channel)
+                # traceparent in the call's metadata: the source's server span joins the step's trace
+                self._stub = pb_grpc.DraftSourceStub(tracing.traced_channel(self._channel))
             return self._stub
 
     def propose(self, ctx: DraftContext) -> list[Proposal]:

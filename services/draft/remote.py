@@ -10,6 +10,7 @@ from __future__ import annotations
 import logging
 from typing import Any
 
+from draftmesh import tracing
 from draftmesh.draft.base import DraftContext, Proposal
 from draftmesh.draft.wire import context_to_proto, proposals_from_proto
 
@@ -24,7 +25,8 @@ class ServeHandleSource:
         self.timeout_s = timeout_s
 
     def propose(self, ctx: DraftContext) -> list[Proposal]:
-        response = self._handle.Propose.remote(context_to_proto(ctx, self._tokenizer_name))
+        # Ray carries no trace context: the deployment's span gets the step's from this carrier.
+        response = self._handle.Propose.remote(context_to_proto(ctx, self._tokenizer_name), tracing.inject())
         try:
             answer = response.result(timeout_s=self.timeout_s)
         except TimeoutError:

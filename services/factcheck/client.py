@@ -23,17 +23,20 @@ import logging
 import threading
 import time
 from collections import OrderedDict
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Iterable
 
 import redis
 from redis.backoff import NoBackoff
 from redis.retry import Retry
 
+from draftmesh import tracing
 from draftmesh.config import FactCheckConfig
 from draftmesh.factcheck.protocol import Annotation, SpanEntry, StreamNames, as_str
+from draftmesh.tracing import SpanKind
 
 log = logging.getLogger(__name__)
+_tracer = tracing.tracer("draftmesh.factcheck")
 
 
 class FactCheckUnavailable(RuntimeError):
@@ -209,10 +212,7 @@ class FactCheckClient:
             budget = max(0, self.config.max_lag - self.lag())
             send, report.skipped_backpressure = fresh[:budget], len(fresh) - min(budget, len(fresh))
             if send:
-                pipe = self.redis.pipeline(transaction=False)
-                for entry in send:
-                    pipe.xadd(self.names.stream, entry.to_fields(), maxlen=self.config.maxlen, approximate=True)
-                pipe.execute()
+                self._xadd(send)
         except redis.RedisError as exc:
             self._failed(exc, "submit")
             report.unavailable, report.skipped_backpressure = len(fresh), 0
@@ -231,6 +231,21 @@ class FactCheckClient:
             while len(self._known) > self.known_size:
                 self._known.popitem(last=False)
         return report
+
+    def _xadd(self, entries: list[SpanEntry]) -> None:
+        """One pipeline of XADDs, in a producer span whose context each entry carries (unless
+        it names its own), so the worker's span joins the producing request's trace."""
+        with _tracer.start_as_current_span("factcheck.submit", kind=SpanKind.PRODUCER, attributes={
+            "messaging.system": "redis", "messaging.destination.name": self.names.stream,
+            "messaging.batch.message_count": len(entries),
+        }):
+            parent = tracing.traceparent()
+            pipe = self.redis.pipeline(transaction=False)
+            for entry in entries:
+                if parent and not entry.traceparent:
+                    entry = replace(entry, traceparent=parent)
+                pipe.xadd(self.names.stream, entry.to_fields(), maxlen=self.config.maxlen, approximate=True)
+            pipe.execute()
 
     def forget(self, annotation_ids: Iterable[str]) -> None:
         """Drop ids from the recently-submitted set, so the next submit sends them again."""

@@ -39,15 +39,19 @@ import threading
 import time
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, replace
+from pathlib import Path
 from typing import Any, Callable
 
 import redis
 
+from draftmesh import tracing
 from draftmesh.config import FactCheckConfig, add_config_arguments, config_from_args
 from draftmesh.factcheck.findings import Finding
 from draftmesh.factcheck.protocol import Annotation, MalformedEntry, SpanEntry, StreamNames, as_str
+from draftmesh.tracing import SpanKind
 
 log = logging.getLogger(__name__)
+_tracer = tracing.tracer("draftmesh.factcheck")
 
 Annotate = Callable[[SpanEntry], "list[Finding]"]
 DEFAULT_ANNOTATOR = "draftmesh.factcheck.checker:build_annotator"
@@ -273,14 +277,32 @@ class Worker:
         if self.redis.exists(key):
             self._settle_duplicate(item, entry)
             return
+        # A child of the producer's span: the request's trace shows its fact-check.
+        with _tracer.start_as_current_span(
+            "factcheck.annotate", context=tracing.extract({"traceparent": entry.traceparent}),
+            kind=SpanKind.CONSUMER, attributes={
+                "messaging.system": "redis", "messaging.destination.name": self.names.stream,
+                "messaging.message.id": item.entry_id, "draftmesh.factcheck.annotation_id": entry.annotation_id,
+                "draftmesh.factcheck.kind": entry.kind, "draftmesh.factcheck.delivery": item.deliveries,
+                "draftmesh.request_id": entry.request_id,
+            },
+        ) as span:
+            self._annotate_entry(item, entry, key, span)
+
+    def _annotate_entry(self, item: _Item, entry: SpanEntry, key: str, span: tracing.Span) -> None:
         t0 = time.perf_counter()
         try:
             findings = self.annotate(entry)
             if not isinstance(findings, (list, tuple)) or not all(isinstance(f, Finding) for f in findings):
                 raise TypeError(f"annotate returned {type(findings).__name__}, not a list of Finding")
         except Exception as exc:  # noqa: BLE001 - any annotator failure is the entry's, not ours
+            tracing.record_error(span, exc)
             self._failed(item, entry, exc)
             return
+        if span.is_recording():
+            span.set_attributes({"draftmesh.factcheck.findings": len(findings),
+                                 "draftmesh.factcheck.flagged": sum(f.flagged for f in findings),
+                                 "draftmesh.factcheck.verdicts": sorted({f.verdict for f in findings})})
         latency_ms = (time.perf_counter() - t0) * 1000
         annotation = Annotation(
             entry.annotation_id, "done", tuple(findings), self.name, latency_ms, traceparent=entry.traceparent
@@ -418,6 +440,8 @@ def build_parser() -> argparse.ArgumentParser:
     add_config_arguments(parser, FactCheckConfig)
     parser.add_argument("--annotator", default=DEFAULT_ANNOTATOR, help="module:callable, a factory (config) -> annotate")
     parser.add_argument("--name", default=None, help="consumer name (default: host-pid; must be unique per worker)")
+    parser.add_argument("--ready-file", default=None,
+                        help="a file written once the worker is ready, removed when it stops (container health checks)")
     parser.add_argument("-v", "--verbose", action="store_true")
     return parser
 
@@ -433,6 +457,7 @@ def main(argv: list[str] | None = None) -> int:
         if not url:
             raise ValueError("no Redis: pass --redis-url, or set DRAFTMESH_FACTCHECK_REDIS_URL or REDIS_URL")
         config = replace(config, redis_url=url)
+        tracing.setup_tracing("factcheck")
         annotate = load_annotator(args.annotator, config)
     except ValueError as exc:
         print(f"draftmesh factcheck-worker: error: {exc}", file=sys.stderr)
@@ -447,10 +472,14 @@ def main(argv: list[str] | None = None) -> int:
     def ready() -> None:
         print(f"factcheck worker {worker.name} ready: stream {worker.names.stream}, group {worker.names.group}, "
               f"concurrency {config.concurrency}", flush=True)  # fmt: skip
+        if args.ready_file:
+            Path(args.ready_file).write_text(f"{worker.name}\n")
 
     try:
         worker.run(stop, on_ready=ready)
     finally:
+        if args.ready_file:
+            Path(args.ready_file).unlink(missing_ok=True)
         for sig, handler in previous.items():
             signal.signal(sig, handler)
         client.close()

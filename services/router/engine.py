@@ -26,6 +26,7 @@ def build_decoder(
     extra_sources: Sequence[DraftSource] = (),
     kv_pool: SessionKVPool | None = None,
     flag_provider: FlagProvider | None = None,
+    trace_steps: int = 256,
 ) -> SpeculativeDecoder:
     """``sources=None`` means the default set; an empty list means plain decoding.
 
@@ -47,7 +48,7 @@ def build_decoder(
     aligner = TextAligner(target.tokenizer) if getattr(target.tokenizer, "backend_tokenizer", None) else None
     builder = CostAwareTreeBuilder(target.cost_curve or {1: 1.0}, config, aligner=aligner)
     return SpeculativeDecoder(target, built, builder, flag_provider=flag_provider,
-                              source_deadline_s=source_deadline_s, kv_pool=kv_pool)
+                              source_deadline_s=source_deadline_s, kv_pool=kv_pool, trace_steps=trace_steps)
 
 
 def load_target(cfg: EngineConfig) -> TorchTarget:
@@ -75,4 +76,5 @@ def decoder_from_config(
         extra_sources=extra_sources,
         kv_pool=kv_pool,
         flag_provider=flag_provider,
+        trace_steps=cfg.trace_steps,
     )

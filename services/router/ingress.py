@@ -9,6 +9,7 @@ the verifier stops before its next step.
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import logging
 from typing import AsyncIterator
 
@@ -16,11 +17,14 @@ import grpc
 from ray import serve
 from ray.serve.grpc_util import RayServegRPCContext
 
+from draftmesh import tracing
 from draftmesh.config import MeshConfig
+from draftmesh.metrics import RayMetrics
 from draftmesh.router.auth import ApiKeyAuth
 from draftmesh.factcheck.client import FactCheckBusy, FactCheckUnavailable
 from draftmesh.factcheck.protocol import annotation_id_for_text
 from draftmesh.router.responses import report_to_proto, result_to_proto, step_to_proto
+from draftmesh.router.telemetry import RouterMetrics, RpcCall
 from draftmesh.router.validation import InvalidRequest, RequestLimits, parse_factcheck, parse_request
 from draftmesh.v1 import generation_pb2 as pb
 from draftmesh.verify.decoder import GenerationResult, StepEvent
@@ -53,6 +57,7 @@ def mesh_source_names(cfg: MeshConfig) -> list[str]:
 @serve.deployment(name="router", health_check_period_s=10)
 class Router:
     def __init__(self, config: dict, verifier) -> None:
+        tracing.setup_tracing("router")
         cfg = MeshConfig(**config)
         self.cfg = cfg
         self.verifier = verifier
@@ -61,7 +66,9 @@ class Router:
         self.sources = mesh_source_names(cfg)
         self.policies = available_policies()
         self.in_flight = 0
+        self.metrics = RouterMetrics(RayMetrics())
         self.factcheck = None
+        self._lag_watch: asyncio.Task | None = None
         if cfg.factcheck:
             from draftmesh.factcheck.client import FactCheckClient
 
@@ -69,30 +76,60 @@ class Router:
 
     # ------------------------------------------------------------------ RPCs
     async def Generate(self, request: pb.GenerateRequest, grpc_context: RayServegRPCContext) -> AsyncIterator[pb.GenerateResponse]:
-        req = self._admit(request, grpc_context)
+        call = self._call("Generate", grpc_context)
         try:
-            step = 0
-            async for event in self._events(req, grpc_context):
-                if isinstance(event, StepEvent):
-                    step += 1
-                    yield step_to_proto(step, event)
-                else:
-                    yield pb.GenerateResponse(result=result_to_proto(event, req.request_id, event.replica))
+            req = self._admit(request, grpc_context, call)
+            try:
+                step = 0
+                async for event in self._events(req, grpc_context):
+                    if isinstance(event, StepEvent):
+                        step += 1
+                        call.step()
+                        yield step_to_proto(step, event)
+                    else:
+                        call.result(event)
+                        yield pb.GenerateResponse(result=result_to_proto(event, req.request_id, event.replica))
+            finally:
+                self._release()
+        except BaseException as exc:
+            call.fail(exc)
+            raise
         finally:
-            self.in_flight -= 1
+            call.end()
 
     async def Complete(self, request: pb.GenerateRequest, grpc_context: RayServegRPCContext) -> pb.GenerateResult:
-        req = self._admit(request, grpc_context)
+        call = self._call("Complete", grpc_context)
         try:
-            async for event in self._events(req, grpc_context):
-                if isinstance(event, GenerationResult):
-                    return result_to_proto(event, req.request_id, event.replica)
-            raise self._fail(grpc_context, grpc.StatusCode.INTERNAL, "the verifier ended without a result")
+            req = self._admit(request, grpc_context, call)
+            try:
+                async for event in self._events(req, grpc_context):
+                    if isinstance(event, GenerationResult):
+                        call.result(event)
+                        return result_to_proto(event, req.request_id, event.replica)
+                    call.step()
+                raise self._fail(grpc_context, grpc.StatusCode.INTERNAL, "the verifier ended without a result")
+            finally:
+                self._release()
+        except BaseException as exc:
+            call.fail(exc)
+            raise
         finally:
-            self.in_flight -= 1
+            call.end()
 
     async def FactCheck(self, request: pb.FactCheckRequest, grpc_context: RayServegRPCContext) -> pb.FactCheckReport:
         """Check a text now (through the workers), or fetch an earlier output's annotations by id."""
+        call = self._call("FactCheck", grpc_context)
+        try:
+            # Current here (no yield crosses it); its status is set by the code, not by the exception.
+            with tracing.use_span(call.span, record_exception=False, set_status_on_exception=False):
+                return await self._factcheck(request, grpc_context)
+        except BaseException as exc:
+            call.fail(exc)
+            raise
+        finally:
+            call.end()
+
+    async def _factcheck(self, request: pb.FactCheckRequest, grpc_context: RayServegRPCContext) -> pb.FactCheckReport:
         self._authenticate(grpc_context)
         if self.factcheck is None:
             raise self._fail(grpc_context, grpc.StatusCode.FAILED_PRECONDITION, "the fact-check service is off in this mesh")
@@ -104,7 +141,7 @@ class Router:
         try:
             if text:
                 annotation_id = annotation_id_for_text("query", text)
-                annotation = await asyncio.to_thread(self.factcheck.check_text, text, wait_s)
+                annotation = await asyncio.to_thread(self.factcheck.check_text, text, wait_s)  # context copied
             else:
                 annotation = await asyncio.to_thread(self._fetch, annotation_id, wait_s)
         except FactCheckBusy as exc:
@@ -128,7 +165,12 @@ class Router:
         if reason is not None:
             raise self._fail(ctx, grpc.StatusCode.UNAUTHENTICATED, reason)
 
-    def _admit(self, request: pb.GenerateRequest, ctx: RayServegRPCContext) -> ServeRequest:
+    def _call(self, method: str, ctx: RayServegRPCContext) -> RpcCall:
+        if self.factcheck is not None and self._lag_watch is None:
+            self._lag_watch = asyncio.get_running_loop().create_task(self._watch_factcheck_lag())
+        return RpcCall(method, ctx.invocation_metadata(), self.metrics)
+
+    def _admit(self, request: pb.GenerateRequest, ctx: RayServegRPCContext, call: RpcCall) -> ServeRequest:
         self._authenticate(ctx)
         try:
             req = parse_request(request, self.limits, sources=self.sources, policies=self.policies)
@@ -138,7 +180,22 @@ class Router:
             raise self._fail(ctx, grpc.StatusCode.RESOURCE_EXHAUSTED,
                              f"server busy: {self.in_flight} requests in flight (limit {self.cfg.max_in_flight}); retry later")
         self.in_flight += 1
-        return req
+        self.metrics.in_flight.set(self.in_flight)
+        call.admitted(req.request_id, req.policy)
+        return dataclasses.replace(req, trace_context=call.carrier())
+
+    def _release(self) -> None:
+        self.in_flight -= 1
+        self.metrics.in_flight.set(self.in_flight)
+
+    async def _watch_factcheck_lag(self, period_s: float = 5.0) -> None:
+        """Keep the fact-check lag gauge fresh (the producers read it anyway, cached)."""
+        while True:
+            try:
+                self.metrics.factcheck_lag.set(await asyncio.to_thread(self.factcheck.lag, refresh=True))
+            except Exception as exc:  # Redis down: the gauge keeps its last value
+                log.debug("fact-check lag unavailable: %r", exc)
+            await asyncio.sleep(period_s)
 
     async def _events(self, req: ServeRequest, ctx: RayServegRPCContext):
         """The verifier's events; a replica lost before its first event is retried once."""

@@ -32,6 +32,8 @@ class RunningMesh:
     """The embedded redis-server this mesh started, if it started one."""
     factcheck_workers: Any = None
     """The fact-check worker processes this mesh started, if any."""
+    metrics_address: str = ""
+    """Where Prometheus scrapes this node's metrics (host:port, path /metrics), if known."""
     _cleanup: list[Callable[[], Any]] = field(default_factory=list, repr=False)
 
     def stop(self) -> None:
@@ -78,10 +80,14 @@ def start_mesh(cfg: MeshConfig, *, ray_init: dict[str, Any] | None = None) -> Ru
             running._cleanup.append(workers.stop)
 
         if not ray.is_initialized():
+            options = dict(ray_init or {})
             if cfg.address is None:
-                # A private single-machine cluster: no token auth to configure, no dashboard.
+                # A private single-machine cluster: no token auth to configure, no dashboard;
+                # its metrics agent serves every replica's metrics on one port.
                 os.environ.setdefault("RAY_AUTH_MODE", "disabled")
-            _init_ray(cfg.address or "local", ray_init or {})
+                options.setdefault("_metrics_export_port", cfg.metrics_port or free_port())
+                running.metrics_address = f"localhost:{options['_metrics_export_port']}"
+            _init_ray(cfg.address or "local", options)
             running._cleanup.append(ray.shutdown)
 
         tls = cfg.tls_cert is not None

@@ -19,6 +19,9 @@ from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from typing import Any, Callable, Iterator, Mapping, Protocol, Sequence
 
+from opentelemetry import trace
+
+from draftmesh import tracing
 from draftmesh.draft.base import DraftContext, DraftSource, LearningSource, Proposal, sliced
 from draftmesh.verify.acceptance import Verdict
 from draftmesh.verify.policy import AcceptancePolicy, make_policy
@@ -150,6 +153,7 @@ class SpeculativeDecoder:
         flag_provider: FlagProvider | None = None,
         source_deadline_s: float | None = None,
         kv_pool: SessionKVPool | None = None,
+        trace_steps: int = 256,
     ) -> None:
         self.target = target
         self.sources = list(sources)
@@ -160,6 +164,9 @@ class SpeculativeDecoder:
         self.flag_provider = flag_provider
         self.caller = SourceCaller(source_deadline_s)
         self.kv_pool = kv_pool
+        self.trace_steps = trace_steps
+        """Steps of a request traced with their own spans (draft, sources, verify); later ones are not."""
+        self._tracer = tracing.tracer("draftmesh.verify")
         self._flag_pool: ThreadPoolExecutor | None = None
 
     # ------------------------------------------------------------------ validation
@@ -209,6 +216,36 @@ class SpeculativeDecoder:
         policy = self.validate(req)
         if not req.request_id:
             req = dataclasses.replace(req, request_id=uuid.uuid4().hex)
+        # The request's span is never made current across a yield (the consumer runs in this
+        # thread between steps); each step's span is current only inside its step.
+        span = self._tracer.start_span("decode", attributes={
+            "draftmesh.request_id": req.request_id, "draftmesh.prompt_tokens": len(req.prompt_ids),
+            "draftmesh.max_new_tokens": req.max_new_tokens, "draftmesh.policy": policy.name,
+            "draftmesh.lossless": policy.lossless, "draftmesh.speculate": req.speculate,
+            "draftmesh.sampling": "greedy" if req.sampling.greedy else "sample",
+        })
+        outcome = "cancelled"
+        try:
+            for event in self._stream(req, policy, trace.set_span_in_context(span)):
+                if isinstance(event, GenerationResult):
+                    result = event
+                yield event
+            outcome = result.finish_reason
+            span.set_attributes({
+                "draftmesh.tokens": len(result.token_ids), "draftmesh.steps": len(result.steps),
+                "draftmesh.tokens_per_step": round(result.mean_accepted_per_step, 3),
+                "draftmesh.reused_tokens": result.reused_tokens, "draftmesh.lenient_tokens": result.lenient_tokens,
+                "draftmesh.first_token_ms": round(1e3 * result.first_token_s, 3),
+            })
+        except Exception as exc:
+            outcome = "error"
+            tracing.record_error(span, exc)
+            raise
+        finally:
+            span.set_attribute("draftmesh.finish_reason", outcome)
+            span.end()
+
+    def _stream(self, req: GenerationRequest, policy: AcceptancePolicy, trace_ctx) -> Iterator[StepEvent | GenerationResult]:
         target = self.target
         t_start = time.perf_counter()
         prompt = list(req.prompt_ids)
@@ -216,7 +253,9 @@ class SpeculativeDecoder:
         # The cache must never go beyond prompt[:-1]: the last prompt token is the first root.
         state, cached = pool.checkout(req.session_id, prompt[:-1]) if pool is not None else (KVState(), [])
         reused = len(cached)
-        target.prefill(state, prompt[reused:-1])
+        with self._tracer.start_as_current_span("prefill", context=trace_ctx) as prefill_span:
+            prefill_span.set_attributes({"draftmesh.tokens": len(prompt) - 1 - reused, "draftmesh.reused_tokens": reused})
+            target.prefill(state, prompt[reused:-1])
         # The ids whose KV the cache holds, tracked apart from the output: a stop-string cut
         # drops emitted tokens whose KV stays in the cache.
         cached = prompt[:-1]
@@ -231,67 +270,78 @@ class SpeculativeDecoder:
         first_token_s = 0.0
         finish = None
         while finish is None:
-            remaining = req.max_new_tokens - len(generated)
-            t0 = time.perf_counter()
-            tree, proposed, failed, ctx = TokenTree(), {}, (), None
-            if speculate and remaining > 1:
-                ctx = self._context(req, prompt, generated, size_hint=self.builder.max_nodes)
-                tree, proposed, failed = self._draft(ctx, active, req.source_caps, state.length, remaining)
-            t1 = time.perf_counter()
-            base = state.length
-            # Flags only restrict lenient acceptance: the exact policy never needs them. Their
-            # lookup (a Redis round trip) runs while the target computes the tree.
-            flags = None
-            if self.flag_provider is not None and not policy.lossless and ctx is not None and len(tree):
-                flags = self._flag_thread().submit(self._flags, ctx, tree)
-            logits = target.forward_tree(state, pending, tree)
-            flagged = flags.result() if flags is not None else frozenset()
-            verdict = policy.verify(tree, logits, req.sampling, generator, flagged)
-            target.commit(state, base, [0] + [1 + a for a in verdict.accepted])
-            cached += [pending] + [tree.tokens[a] for a in verdict.accepted]
-            t2 = time.perf_counter()
-            self.builder.observe(tree, verdict, ctx)
+            step_span = (self._tracer.start_span("step", context=trace_ctx)
+                         if len(steps) < self.trace_steps else trace.INVALID_SPAN)
+            with trace.use_span(step_span, end_on_exit=True, record_exception=True):
+                remaining = req.max_new_tokens - len(generated)
+                t0 = time.perf_counter()
+                tree, proposed, failed, ctx = TokenTree(), {}, (), None
+                if speculate and remaining > 1:
+                    ctx = self._context(req, prompt, generated, size_hint=self.builder.max_nodes)
+                    with self._tracer.start_as_current_span("draft") as draft_span:
+                        tree, proposed, failed = self._draft(ctx, active, req.source_caps, state.length, remaining)
+                        draft_span.set_attribute("draftmesh.tree_size", len(tree))
+                t1 = time.perf_counter()
+                with self._tracer.start_as_current_span("verify") as verify_span:
+                    base = state.length
+                    # Flags only restrict lenient acceptance: the exact policy never needs them. Their
+                    # lookup (a Redis round trip) runs while the target computes the tree.
+                    flags = None
+                    if self.flag_provider is not None and not policy.lossless and ctx is not None and len(tree):
+                        flags = self._flag_thread().submit(tracing.in_context(self._flags), ctx, tree)
+                    logits = target.forward_tree(state, pending, tree)
+                    flagged = flags.result() if flags is not None else frozenset()
+                    verdict = policy.verify(tree, logits, req.sampling, generator, flagged)
+                    target.commit(state, base, [0] + [1 + a for a in verdict.accepted])
+                    cached += [pending] + [tree.tokens[a] for a in verdict.accepted]
+                    if verify_span.is_recording():
+                        verify_span.set_attributes({"draftmesh.tree_size": len(tree), "draftmesh.accepted": len(verdict.accepted),
+                                                    "draftmesh.flagged_nodes": len(flagged)})
+                t2 = time.perf_counter()
+                self.builder.observe(tree, verdict, ctx)
 
-            new = [tree.tokens[a] for a in verdict.accepted] + [verdict.next_token]
-            taken = 0
-            for tok in new:
-                generated.append(tok)
-                taken += 1
-                if tok in target.eos_token_ids:
-                    finish = "eos"
-                    break
-                if len(generated) >= req.max_new_tokens:
-                    finish = "length"
-                    break
-            delta, cut = text.update(generated, len(generated) - taken)
-            if cut is not None:
-                taken -= len(generated) - cut
-                del generated[cut:]
-                finish = "stop"
-            accepted_by_source: dict[str, int] = {}
-            for a in verdict.accepted[: min(taken, len(verdict.accepted))]:
-                for src in tree.sources[a]:
-                    accepted_by_source[src] = accepted_by_source.get(src, 0) + 1
-            nodes_by_source: dict[str, int] = {}
-            for srcs in tree.sources:
-                for src in srcs:
-                    nodes_by_source[src] = nodes_by_source.get(src, 0) + 1
-            record = StepRecord(
-                tree_size=len(tree),
-                accepted=len(verdict.accepted),
-                emitted=taken,
-                draft_s=t1 - t0,
-                verify_s=t2 - t1,
-                proposed_by_source=proposed,
-                nodes_by_source=nodes_by_source,
-                accepted_by_source=accepted_by_source,
-                failed_sources=failed,
-                lenient=min(verdict.lenient, taken),
-            )
-            lenient_total += record.lenient
-            steps.append(record)
-            if not first_token_s:
-                first_token_s = time.perf_counter() - t_start
+                new = [tree.tokens[a] for a in verdict.accepted] + [verdict.next_token]
+                taken = 0
+                for tok in new:
+                    generated.append(tok)
+                    taken += 1
+                    if tok in target.eos_token_ids:
+                        finish = "eos"
+                        break
+                    if len(generated) >= req.max_new_tokens:
+                        finish = "length"
+                        break
+                delta, cut = text.update(generated, len(generated) - taken)
+                if cut is not None:
+                    taken -= len(generated) - cut
+                    del generated[cut:]
+                    finish = "stop"
+                accepted_by_source: dict[str, int] = {}
+                for a in verdict.accepted[: min(taken, len(verdict.accepted))]:
+                    for src in tree.sources[a]:
+                        accepted_by_source[src] = accepted_by_source.get(src, 0) + 1
+                nodes_by_source: dict[str, int] = {}
+                for srcs in tree.sources:
+                    for src in srcs:
+                        nodes_by_source[src] = nodes_by_source.get(src, 0) + 1
+                record = StepRecord(
+                    tree_size=len(tree),
+                    accepted=len(verdict.accepted),
+                    emitted=taken,
+                    draft_s=t1 - t0,
+                    verify_s=t2 - t1,
+                    proposed_by_source=proposed,
+                    nodes_by_source=nodes_by_source,
+                    accepted_by_source=accepted_by_source,
+                    failed_sources=failed,
+                    lenient=min(verdict.lenient, taken),
+                )
+                lenient_total += record.lenient
+                steps.append(record)
+                if not first_token_s:
+                    first_token_s = time.perf_counter() - t_start
+                if step_span.is_recording():
+                    _describe_step(step_span, len(steps), record)
             pending = generated[-1] if generated else pending
             yield StepEvent(generated[len(generated) - taken :], delta, record)
         # Only a request that ran to its end puts its cache back: after an exception or a
@@ -412,6 +462,19 @@ class SpeculativeDecoder:
                 source.finish(ctx, list(generated), text)
             except Exception:
                 log.exception("draft source %s failed to record a finished request", source.name)
+
+
+def _describe_step(span: trace.Span, number: int, record: StepRecord) -> None:
+    span.set_attributes({
+        "draftmesh.step": number, "draftmesh.tree_size": record.tree_size, "draftmesh.accepted": record.accepted,
+        "draftmesh.emitted": record.emitted, "draftmesh.draft_ms": round(1e3 * record.draft_s, 3),
+        "draftmesh.verify_ms": round(1e3 * record.verify_s, 3), "draftmesh.lenient": record.lenient,
+    })
+    tracing.set_attributes(span, "draftmesh.proposed", record.proposed_by_source)
+    tracing.set_attributes(span, "draftmesh.nodes", record.nodes_by_source)
+    tracing.set_attributes(span, "draftmesh.accepted_by", record.accepted_by_source)
+    if record.failed_sources:
+        span.set_attribute("draftmesh.failed_sources", list(record.failed_sources))
 
 
 def _capped(proposals: list[Proposal], budget: int) -> list[Proposal]:

@@ -19,12 +19,15 @@ from typing import Any, AsyncIterator, Callable, Mapping
 
 from ray import serve
 
+from draftmesh import tracing
 from draftmesh.config import MeshConfig
+from draftmesh.metrics import RayMetrics
 from draftmesh.draft.base import DraftSource
 from draftmesh.verify.backend import TorchTarget
 from draftmesh.verify.decoder import SpeculativeDecoder
 from draftmesh.verify.factcheck_link import FactCheckLink
 from draftmesh.verify.messages import ServeRequest
+from draftmesh.verify.metrics import VerifierMetrics
 from draftmesh.verify.replica import VerifierReplica
 from draftmesh.verify.session_kv import SessionKVPool
 
@@ -63,6 +66,7 @@ class VerifierPool:
         from transformers.utils import logging as hf_logging
 
         hf_logging.disable_progress_bar()  # replica output goes to the driver's console
+        tracing.setup_tracing("verifier")
         cfg = MeshConfig(**config)
         cfg.apply_threads()
         target = TorchTarget.load(cfg.model, device=cfg.device, dtype=cfg.torch_dtype())
@@ -70,7 +74,8 @@ class VerifierPool:
         context = serve.get_replica_context()
         name = f"{socket.gethostname()}/{context.replica_id.unique_id if context else os.getpid()}"
         self.replica = VerifierReplica(self._new_decoder(), name=name, factcheck=self._factcheck,
-                                       factcheck_wait_s=cfg.factcheck_wait_ms / 1000)
+                                       factcheck_wait_s=cfg.factcheck_wait_ms / 1000,
+                                       metrics=VerifierMetrics(RayMetrics(), name))
         sources = ", ".join(s.name for s in self.replica.decoder.sources)
         log.info("verifier replica %s ready: model %s, sources %s", name, cfg.model, sources)
 

@@ -23,6 +23,7 @@ from collections import OrderedDict
 from dataclasses import dataclass, field
 from typing import Any, Sequence
 
+from draftmesh import tracing
 from draftmesh.draft.base import DraftContext
 from draftmesh.factcheck.client import FactCheckClient
 from draftmesh.factcheck.findings import Finding
@@ -30,6 +31,7 @@ from draftmesh.factcheck.protocol import Annotation, SpanEntry, annotation_id_fo
 from draftmesh.verify.tree import TokenTree
 
 log = logging.getLogger(__name__)
+_tracer = tracing.tracer("draftmesh.verify")
 
 CONTEXT_CHARS = 64
 """Emitted text put before a draft when looking for learned flagged strings, so that a
@@ -164,6 +166,16 @@ class FactCheckLink:
     # ------------------------------------------------------------------ per request
     def annotate_output(self, request_id: str, text: str, wait_s: float, enabled: bool = True) -> FactCheckReport:
         """Send the finished output and wait up to ``wait_s`` for its annotations."""
+        with _tracer.start_as_current_span("factcheck.output") as span:
+            report = self._annotate_output(request_id, text, wait_s, enabled)
+            if span.is_recording():
+                span.set_attributes({"draftmesh.factcheck.status": report.status,
+                                     "draftmesh.factcheck.findings": len(report.findings),
+                                     "draftmesh.factcheck.flagged": sum(f.flagged for f in report.findings),
+                                     "draftmesh.factcheck.annotation_id": report.annotation_id})
+            return report
+
+    def _annotate_output(self, request_id: str, text: str, wait_s: float, enabled: bool) -> FactCheckReport:
         with self._lock:
             state = self._requests.pop(request_id, None) or _RequestState()
         report = FactCheckReport(status="skipped", drafts_submitted=state.submitted,

@@ -36,6 +36,8 @@ class ServeRequest:
     """Annotate the output (when the mesh runs the fact-check service)."""
     factcheck_wait_ms: int | None = None
     """How long the result may wait for the output's annotations (None: the server's default)."""
+    trace_context: Mapping[str, str] = field(default_factory=dict)
+    """W3C trace headers of the router's span (Ray carries no trace context across a handle call)."""
 
 
 @dataclass(frozen=True)

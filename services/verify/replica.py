@@ -15,10 +15,14 @@ import threading
 from dataclasses import asdict, dataclass
 from typing import AsyncIterator
 
+from opentelemetry import context as otel_context
+
+from draftmesh import tracing
 from draftmesh.prompts import encode_messages, encode_prompt
 from draftmesh.verify.decoder import GenerationRequest, GenerationResult, SpeculativeDecoder, StepEvent
 from draftmesh.verify.factcheck_link import FactCheckLink, FactCheckReport
 from draftmesh.verify.messages import Rejected, ServeRequest
+from draftmesh.verify.metrics import VerifierMetrics
 from draftmesh.verify.sampling import SamplingParams
 
 log = logging.getLogger(__name__)
@@ -44,12 +48,14 @@ class VerifierReplica:
         name: str = "verifier",
         factcheck: FactCheckLink | None = None,
         factcheck_wait_s: float = 2.0,
+        metrics: VerifierMetrics | None = None,
     ) -> None:
         self.decoder = decoder
         self.name = name
         self.factcheck = factcheck
         """Annotates outputs; the decoder's flag provider is the same link (set by the builder)."""
         self.factcheck_wait_s = factcheck_wait_s
+        self.metrics = metrics
         self._step_lock = threading.Lock()
         self._stats = ReplicaStats()
         self._stats_lock = threading.Lock()
@@ -97,7 +103,10 @@ class VerifierReplica:
             except RuntimeError:  # the loop is gone: nobody is listening any more
                 cancel.set()
 
+        parent = tracing.extract(req.trace_context)
+
         def work() -> None:
+            otel_context.attach(parent)  # this thread's own context: the router's span is the parent
             events = self.decoder.stream(gen_req)
             try:
                 while not cancel.is_set():
@@ -133,6 +142,8 @@ class VerifierReplica:
                     raise item
                 if isinstance(item, StepEvent):
                     self._count(steps=1, tokens=len(item.token_ids))
+                    if self.metrics is not None:
+                        self.metrics.step(item.record)
                 else:
                     outcome = "served"
                     item.replica = self.name
@@ -157,6 +168,9 @@ class VerifierReplica:
         with self._stats_lock:
             for key, value in deltas.items():
                 setattr(self._stats, key, getattr(self._stats, key) + value)
+            active = self._stats.active
+        if self.metrics is not None and "active" in deltas:
+            self.metrics.set_active(active)
 
     def stats(self) -> dict:
         with self._stats_lock:

@@ -18,9 +18,19 @@ import threading
 from dataclasses import dataclass, field
 from typing import Sequence
 
+from draftmesh import tracing
 from draftmesh.draft.base import DraftContext, DraftSource, Proposal, advance
 
 log = logging.getLogger(__name__)
+_tracer = tracing.tracer("draftmesh.draft")
+
+
+def propose_traced(source: DraftSource, ctx: DraftContext) -> list[Proposal]:
+    """One source's proposals, in a span of its own (a child of the step)."""
+    with _tracer.start_as_current_span(f"source {source.name}", attributes={"draftmesh.source": source.name}) as span:
+        proposals = list(source.propose(ctx))
+        span.set_attribute("draftmesh.proposals", len(proposals))
+        return proposals
 
 
 @dataclass
@@ -55,7 +65,7 @@ class SourceCaller:
         if self._pool is None:
             for source in sources:
                 try:
-                    answers.proposals[source.name] = list(source.propose(ctx))
+                    answers.proposals[source.name] = propose_traced(source, ctx)
                 except Exception:  # a broken source costs speed, never the request
                     log.exception("draft source %s failed; skipped for this step", source.name)
                     answers.failed[source.name] = "error"
@@ -71,7 +81,7 @@ class SourceCaller:
                     continue
                 if previous is not None and previous.late:
                     late_answers[source.name] = self._advance(previous, ctx)
-                future = self._pool.submit(source.propose, ctx)
+                future = self._pool.submit(tracing.in_context(propose_traced), source, ctx)
                 self._running[source.name] = _Call(future, ctx.request_id, ids)
                 futures[future] = source.name
         done, late = cf.wait(futures, timeout=self.deadline_s)

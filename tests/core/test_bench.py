@@ -889,3 +889,24 @@ def test_run_target_mesh_with_addr_end_to_end_on_a_tiny_model(tmp_path, tiny_lla
     plain_reqs = [r for r in servicer.requests if r.speculation.HasField("enabled")]
     assert plain_reqs and all(not r.speculation.enabled for r in plain_reqs)
     assert {r.session_id for r in plain_reqs} - {""} == {"s#mesh-plain"}
+
+
+def test_the_traced_method_exports_spans_only_during_its_own_runs(tmp_path, tiny_llama, capsys):
+    (traced,) = [m for m in bench.parse_methods("draftmesh,draftmesh-traced") if m.traced]
+    assert traced.name == "draftmesh-traced" and traced.sources is None and traced.lossless
+    args = parse(["--workload", str(workload_file(tmp_path)), "--methods", "draftmesh,draftmesh-traced",
+                  "--repeats", "1", "--threads", "1", "--no-progress", "--json", str(tmp_path / "o.json")])
+    args.model = tiny_llama
+    assert bench.run(args) == 0  # identical outputs: tracing changes nothing
+    from draftmesh.bench_tracing import tracing_switch
+
+    switch = tracing_switch()
+    exported = switch.exported()
+    data = json.loads((tmp_path / "o.json").read_text())
+    traced_steps = sum(r["steps"] for r in data["items"] if r["method"] == "draftmesh-traced")
+    # warm-up + one repeat: a decode, a prefill and >= 3 spans per step, for each traced run
+    assert exported >= 2 * traced_steps * 3 > 0
+    assert f"{exported} spans exported" in capsys.readouterr().out
+    assert not switch.on
+    bench.EngineRunner("draftmesh", tiny_llama, None).run(prepared(tiny_llama, n=1, max_new_tokens=4)[0])
+    assert switch.exported() == exported  # an untraced run, with the switch installed: nothing

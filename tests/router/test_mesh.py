@@ -45,7 +45,20 @@ def external_source():
 
 
 @pytest.fixture(scope="session")
-def mesh(external_source):
+def otlp():
+    """The collector every part of the mesh exports its spans to (an in-process OTLP receiver)."""
+    from draftmesh.otlp_sink import OtlpReceiver
+
+    receiver = OtlpReceiver().start()
+    yield receiver
+    receiver.stop()
+
+
+TRACING_ENV = {"OTEL_EXPORTER_OTLP_PROTOCOL": "grpc", "OTEL_BSP_SCHEDULE_DELAY": "200"}
+
+
+@pytest.fixture(scope="session")
+def mesh(external_source, otlp):
     from draftmesh.router.launcher import start_mesh
 
     os.environ["PYTHONPATH"] = os.pathsep.join(filter(None, [str(TESTS_DIR), os.environ.get("PYTHONPATH")]))
@@ -67,7 +80,16 @@ def mesh(external_source):
         factcheck_options={"wikidata": "offline", "wikidata_dump": [str(WIKIDATA / "entity-Q42.json")],
                            "block_ms": 200},
     )
-    running = start_mesh(cfg, ray_init={"num_cpus": 4})
+    # Tracing on for what the mesh starts (Ray's processes and the workers keep the environment
+    # they started with), not for this test process.
+    env = {**TRACING_ENV, "OTEL_EXPORTER_OTLP_ENDPOINT": otlp.endpoint}
+    saved = {k: os.environ.get(k) for k in env}
+    os.environ.update(env)
+    try:
+        running = start_mesh(cfg, ray_init={"num_cpus": 4, "_system_config": {"metrics_report_interval_ms": 1000}})
+    finally:
+        for key, value in saved.items():
+            os.environ.pop(key) if value is None else os.environ.__setitem__(key, value)
     assert running.factcheck_workers is not None and running.redis is not None
     print(f"mesh started in {running.started_s:.1f}s at {running.address}")
     yield running
@@ -402,6 +424,120 @@ def test_lossy_requests_send_their_drafts_to_the_factcheck_service(stub):
     exact = stub.Complete(chat("Using the document, say where Zorblax lives.", 20, documents=[pb.Document(id="d", text=doc)]),
                           metadata=AUTH, timeout=120)
     assert exact.lossless and exact.factcheck.drafts_submitted == 0  # drafts matter only to lossy policies
+
+
+# ---------------------------------------------------------------------------- traces and metrics
+def test_one_request_is_one_trace_across_router_verifier_sources_and_factcheck(stub, otlp):
+    trace_id, client_span = os.urandom(16).hex(), os.urandom(8).hex()
+    metadata = AUTH + (("traceparent", f"00-{trace_id}-{client_span}-01"),)
+    got = stub.Complete(chat("Repeat exactly: " + FACTS, 24, factcheck=pb.FactCheckOptions(wait_ms=20_000)),
+                        metadata=metadata, timeout=120)
+    assert got.factcheck.status == "done", got.factcheck
+
+    def complete(spans):
+        names = {s.name for s in spans if s.trace_id == trace_id}
+        return {"factcheck.annotate", "draft deployment boom", "draftmesh.v1.Generation/Complete"} <= names
+
+    spans = [s for s in otlp.wait_for(complete, timeout_s=30) if s.trace_id == trace_id]
+    by_id = {s.span_id: s for s in spans}
+    named = lambda name: [s for s in spans if s.name == name]  # noqa: E731
+    parent = lambda s: by_id.get(s.parent_id)  # noqa: E731
+
+    (server,) = named("draftmesh.v1.Generation/Complete")
+    assert server.service == "draftmesh-router" and server.parent_id == client_span  # the caller's traceparent
+    assert server.kind == 2 and server.attributes["rpc.grpc.status_code"] == 0  # SERVER, OK
+    assert server.attributes["draftmesh.tokens"] == len(got.token_ids)
+    (decode,) = named("decode")
+    assert decode.service == "draftmesh-verifier" and parent(decode) is server
+    assert decode.attributes["draftmesh.steps"] == got.usage.steps and decode.attributes["draftmesh.lossless"] is True
+    steps = named("step")
+    assert len(steps) == got.usage.steps and all(parent(s) is decode for s in steps)
+    assert sorted(s.attributes["draftmesh.step"] for s in steps) == list(range(1, len(steps) + 1))
+    assert sum(s.attributes["draftmesh.emitted"] for s in steps) == len(got.token_ids)
+    for name in ("draft", "verify"):
+        assert {parent(s).name for s in named(name)} == {"step"}, name
+    verified = sum(s.attributes["draftmesh.tree_size"] for s in named("verify"))
+    assert verified == sum(s.attributes["draftmesh.tree_size"] for s in steps) > 0
+    # Each source asked is a child of a step's draft span; a remote one continues in its own process.
+    sources = {s.attributes["draftmesh.source"]: s for s in spans if s.name.startswith("source ")}
+    assert {"history", "rules", "boom", "extern"} <= set(sources), sorted(sources)
+    assert all(parent(s).name == "draft" for s in sources.values())
+    (remote,) = named("draft deployment boom")[:1]
+    assert remote.service == "draftmesh-draft" and parent(remote).name == "source boom"
+    assert remote.status_code == 2  # the source raises: an error span
+    # External gRPC sources: a client span (traceparent sent in metadata) under the source's span;
+    # the address where nothing listens gives error spans with the gRPC code.
+    calls = {}
+    for s in spans:
+        if s.name == "/draftmesh.v1.DraftSource/Propose":
+            calls.setdefault(parent(s).name, []).append(s)
+    assert set(calls) == {"source extern", "source down"}
+    assert all(s.status_code != 2 for s in calls["source extern"])
+    assert all(s.status_code == 2 and s.attributes["rpc.grpc.status_code"] == 14 for s in calls["source down"])
+    # The fact-check of the output: submitted by the verifier, annotated by a worker process.
+    (output,) = named("factcheck.output")
+    assert output.service == "draftmesh-verifier" and output.attributes["draftmesh.factcheck.status"] == "done"
+    annotate = named("factcheck.annotate")
+    assert annotate and all(s.service == "draftmesh-factcheck" and parent(s).name == "factcheck.submit" for s in annotate)
+    assert any(parent(parent(s)) is output for s in annotate)
+
+
+def scrape(address: str) -> dict[str, float]:
+    """Prometheus text -> {series: value}, series as written (name{labels})."""
+    import urllib.request
+
+    body = urllib.request.urlopen(f"http://{address}/metrics", timeout=10).read().decode()
+    out = {}
+    for line in body.splitlines():
+        if line and not line.startswith("#"):
+            series, _, value = line.rpartition(" ")
+            out[series] = float(value)
+    return out
+
+
+def total(metrics: dict[str, float], name: str, **labels: str) -> float:
+    """Sum of a metric's series whose labels include ``labels``."""
+    want = [f'{k}="{v}"' for k, v in labels.items()]
+    return sum(v for series, v in metrics.items()
+               if series.split("{", 1)[0] == name and all(w in series for w in want))
+
+
+def test_metrics_endpoint_counts_requests_steps_and_sources(mesh, stub):
+    assert mesh.metrics_address
+    before = scrape(mesh.metrics_address)
+    ok = stub.Complete(chat(COPY_PROMPT, 24), metadata=AUTH, timeout=120)
+    with pytest.raises(grpc.RpcError):
+        stub.Complete(chat("hi", max_new_tokens=-1), metadata=AUTH, timeout=30)
+    wanted = {
+        ("ray_draftmesh_requests_total", (("method", "Complete"), ("code", "OK"))): 1,
+        ("ray_draftmesh_requests_total", (("method", "Complete"), ("code", "INVALID_ARGUMENT"))): 1,
+        ("ray_draftmesh_generated_tokens_total", (("policy", "exact"),)): len(ok.token_ids),
+        ("ray_draftmesh_steps_total", ()): ok.usage.steps,
+        ("ray_draftmesh_tokens_per_step_count", ()): ok.usage.steps,
+    }
+    deadline = time.monotonic() + 60
+    while True:
+        after = scrape(mesh.metrics_address)
+        moved = {key: total(after, key[0], **dict(key[1])) - total(before, key[0], **dict(key[1])) for key in wanted}
+        if all(moved[k] >= v for k, v in wanted.items()) or time.monotonic() > deadline:
+            break
+        time.sleep(1)
+    assert all(moved[k] >= v for k, v in wanted.items()), moved
+    accepted = sum(s.accepted_tokens for s in ok.sources)
+    assert total(after, "ray_draftmesh_source_accepted_tokens_total") - total(before, "ray_draftmesh_source_accepted_tokens_total") >= accepted > 0
+    for gauge in ("ray_draftmesh_router_in_flight", "ray_draftmesh_verifier_active_requests", "ray_draftmesh_factcheck_lag"):
+        assert any(series.startswith(gauge) for series in after), gauge
+    assert total(after, "ray_draftmesh_draft_seconds_count") > 0 and total(after, "ray_draftmesh_verify_seconds_count") > 0
+
+
+def test_the_container_health_check_passes_against_the_real_mesh(mesh):
+    from draftmesh.health import check_health
+    from draftmesh.router.app import APP_NAME
+
+    status = check_health(mesh.address, timeout=10)
+    assert status.healthy and APP_NAME in status.applications, status.message
+    missing = check_health(mesh.address, application="not-deployed", timeout=10)
+    assert not missing.healthy and "not-deployed" in missing.message
 
 
 # ---------------------------------------------------------------------------- losing a replica (keep last)

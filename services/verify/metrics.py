@@ -1,0 +1,55 @@
+"""What a verifier replica reports per step: the speculation's own numbers, per source.
+
+Acceptance per source is ``accepted_tokens / tree_nodes`` of the two per-source counters
+(a PromQL ratio of rates), so it can be read over any window.
+"""
+
+from __future__ import annotations
+
+from draftmesh.metrics import (
+    LATENCY_BUCKETS_S,
+    TOKENS_PER_STEP_BUCKETS,
+    TREE_SIZE_BUCKETS,
+    MetricsBackend,
+)
+from draftmesh.verify.decoder import StepRecord
+
+
+class VerifierMetrics:
+    def __init__(self, backend: MetricsBackend, replica: str) -> None:
+        self.tags = {"replica": replica}
+        self.steps = backend.counter("draftmesh_steps", "speculation steps (one target forward each)", ("replica",))
+        self.tokens_per_step = backend.histogram(
+            "draftmesh_tokens_per_step", "tokens committed per target forward (1 = no draft accepted)",
+            TOKENS_PER_STEP_BUCKETS, ("replica",))
+        self.tree_size = backend.histogram("draftmesh_tree_nodes", "drafted tree nodes verified per step",
+                                           TREE_SIZE_BUCKETS, ("replica",))
+        self.draft_seconds = backend.histogram("draftmesh_draft_seconds", "time to ask the sources and build the tree, per step",
+                                               LATENCY_BUCKETS_S, ("replica",))
+        self.verify_seconds = backend.histogram("draftmesh_verify_seconds", "time of the tree forward, acceptance and KV commit, per step",
+                                                LATENCY_BUCKETS_S, ("replica",))
+        self.source_nodes = backend.counter("draftmesh_source_tree_nodes", "verified tree nodes a source proposed",
+                                            ("replica", "source"))
+        self.source_accepted = backend.counter("draftmesh_source_accepted_tokens", "drafted tokens of a source the target accepted",
+                                               ("replica", "source"))
+        self.source_failures = backend.counter("draftmesh_source_failed_steps", "steps a source failed, timed out or was busy",
+                                               ("replica", "source"))
+        self.active = backend.gauge("draftmesh_verifier_active_requests",
+                                    "requests on the replica (decoding or waiting for the step lock): its queue depth", ("replica",))
+
+    def step(self, record: StepRecord) -> None:
+        tags = self.tags
+        self.steps.inc(1, tags)
+        self.tokens_per_step.observe(record.emitted, tags)
+        self.tree_size.observe(record.tree_size, tags)
+        self.draft_seconds.observe(record.draft_s, tags)
+        self.verify_seconds.observe(record.verify_s, tags)
+        for source, nodes in record.nodes_by_source.items():
+            self.source_nodes.inc(nodes, {**tags, "source": source})
+        for source, accepted in record.accepted_by_source.items():
+            self.source_accepted.inc(accepted, {**tags, "source": source})
+        for source in record.failed_sources:
+            self.source_failures.inc(1, {**tags, "source": source})
+
+    def set_active(self, active: int) -> None:
+        self.active.set(active, self.tags)

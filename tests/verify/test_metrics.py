@@ -1,0 +1,105 @@
+"""What a verifier replica records per step equals what the steps did (the Ray backend's rules
+are enforced by MemoryMetrics, so a metric Ray would refuse fails here first)."""
+
+from __future__ import annotations
+
+import asyncio
+
+import pytest
+
+from draftmesh.draft.base import DraftContext, Proposal
+from draftmesh.metrics import MemoryMetrics
+from draftmesh.verify.decoder import GenerationResult, SpeculativeDecoder, StepEvent
+from draftmesh.verify.messages import ServeRequest
+from draftmesh.verify.metrics import VerifierMetrics
+from draftmesh.verify.replica import VerifierReplica
+from draftmesh.verify.trie_builder import TrieBuilder
+
+
+class Oracle:
+    """Drafts the next 3 tokens of a known continuation (all accepted under greedy)."""
+
+    name = "oracle"
+
+    def __init__(self, reference: list[int]) -> None:
+        self.reference = reference
+
+    def propose(self, ctx: DraftContext) -> list[Proposal]:
+        truth = self.reference[len(ctx.generated_ids):][:3]
+        return [Proposal(self.name, token_ids=tuple(truth))] if truth else []
+
+
+class Wrong:
+    """Drafts a token the target never picks first (rejected at once)."""
+
+    name = "wrong"
+
+    def __init__(self, reference: list[int], vocab: int) -> None:
+        self.reference, self.vocab = reference, vocab
+
+    def propose(self, ctx: DraftContext) -> list[Proposal]:
+        truth = self.reference[len(ctx.generated_ids):]
+        return [Proposal(self.name, token_ids=((truth[0] + 1) % self.vocab,))] if truth else []
+
+
+class Broken:
+    name = "broken"
+
+    def propose(self, ctx: DraftContext) -> list[Proposal]:
+        raise RuntimeError("down")
+
+
+def run(replica: VerifierReplica, req: ServeRequest) -> list:
+    async def collect():
+        return [event async for event in replica.run(req)]
+
+    return asyncio.run(collect())
+
+
+@pytest.fixture
+def llama():
+    from tiny_models import tiny_target
+
+    return tiny_target("llama")
+
+
+def test_replica_records_steps_sources_and_queue_depth(llama):
+    req = ServeRequest("r1", prompt="w5 w6 w7 w8", max_new_tokens=20)
+    plain = SpeculativeDecoder(llama)
+    reference = run(VerifierReplica(plain), req)[-1].token_ids
+    decoder = SpeculativeDecoder(llama, [Oracle(reference), Wrong(reference, llama.vocab_size), Broken()],
+                                 TrieBuilder(max_nodes=16))
+    backend = MemoryMetrics()
+    replica = VerifierReplica(decoder, name="r0", metrics=VerifierMetrics(backend, "r0"))
+    events = run(replica, req)
+    result = events[-1]
+    assert isinstance(result, GenerationResult) and result.token_ids == reference
+    steps = [e.record for e in events if isinstance(e, StepEvent)]
+    assert steps == result.steps and len(steps) < len(reference)  # the oracle's drafts were used
+
+    tags = {"replica": "r0"}
+    assert backend.value("draftmesh_steps", **tags) == len(steps)
+    assert backend.observed("draftmesh_tokens_per_step", **tags) == [s.emitted for s in steps]
+    assert backend.observed("draftmesh_tree_nodes", **tags) == [s.tree_size for s in steps]
+    assert backend.observed("draftmesh_draft_seconds", **tags) == [s.draft_s for s in steps]
+    assert backend.observed("draftmesh_verify_seconds", **tags) == [s.verify_s for s in steps]
+    stats = result.source_stats()
+    for source in ("oracle", "wrong"):
+        assert backend.value("draftmesh_source_tree_nodes", source=source, **tags) == stats[source]["nodes"] > 0
+        assert backend.value("draftmesh_source_accepted_tokens", source=source, **tags) == stats[source]["accepted"]
+    assert stats["oracle"]["accepted"] > 0 and stats["wrong"]["accepted"] == 0
+    assert backend.value("draftmesh_source_failed_steps", source="broken", **tags) == stats["broken"]["failed_steps"] > 0
+    assert backend.value("draftmesh_verifier_active_requests", **tags) == 0  # back to idle
+
+
+def test_memory_backend_refuses_what_ray_refuses():
+    backend = MemoryMetrics()
+    counter = backend.counter("c", "", ("a",))
+    with pytest.raises(ValueError):
+        counter.inc(0, {"a": "x"})
+    with pytest.raises(ValueError):
+        counter.inc(1, {})  # a declared tag missing
+    with pytest.raises(ValueError):
+        counter.inc(1, {"a": "x", "b": "y"})
+    with pytest.raises(ValueError):
+        backend.histogram("h", "", (0, 1))
