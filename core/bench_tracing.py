@@ -55,6 +55,27 @@ class TracingSwitch(trace.TracerProvider):
         return self.sink.received
 
 
+def noop_step_cost_us(sources: int = 3, number: int = 20000) -> float:
+    """Microseconds the spans of one step cost with tracing off (the API's no-op tracer): a step,
+    its draft and verify spans and one span per source, as the decode loop opens them."""
+    import timeit
+
+    tracer = _NOOP
+    parent = trace.set_span_in_context(tracer.start_span("decode"))
+    names = [f"source s{i}" for i in range(sources)]
+
+    def step() -> None:
+        with trace.use_span(tracer.start_span("step", context=parent), end_on_exit=True):
+            with tracer.start_as_current_span("draft"):
+                for name in names:
+                    with tracer.start_as_current_span(name, attributes={"draftmesh.source": name}) as span:
+                        span.set_attribute("draftmesh.proposals", 1)
+            with tracer.start_as_current_span("verify") as span:
+                span.is_recording()
+
+    return 1e6 * min(timeit.repeat(step, number=number, repeat=5)) / number
+
+
 _switch: TracingSwitch | None = None
 _lock = threading.Lock()
 

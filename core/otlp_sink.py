@@ -27,6 +27,12 @@ class ReceivedSpan:
     attributes: dict[str, Any] = field(hash=False)
     status_code: int = 0
     events: tuple[str, ...] = ()
+    start_ns: int = 0
+    end_ns: int = 0
+
+    @property
+    def duration_ms(self) -> float:
+        return (self.end_ns - self.start_ns) / 1e6
 
 
 def _value(v) -> Any:
@@ -62,6 +68,7 @@ class OtlpReceiver(trace_service_pb2_grpc.TraceServiceServicer):
                         name=s.name, service=service, kind=s.kind,
                         attributes={a.key: _value(a.value) for a in s.attributes},
                         status_code=s.status.code, events=tuple(e.name for e in s.events),
+                        start_ns=s.start_time_unix_nano, end_ns=s.end_time_unix_nano,
                     ))
         with self._lock:
             self.spans.extend(got)

@@ -76,8 +76,7 @@ class Router:
 
     # ------------------------------------------------------------------ RPCs
     async def Generate(self, request: pb.GenerateRequest, grpc_context: RayServegRPCContext) -> AsyncIterator[pb.GenerateResponse]:
-        call = self._call("Generate", grpc_context)
-        try:
+        with self._call("Generate", grpc_context) as call:
             req = self._admit(request, grpc_context, call)
             try:
                 step = 0
@@ -91,15 +90,9 @@ class Router:
                         yield pb.GenerateResponse(result=result_to_proto(event, req.request_id, event.replica))
             finally:
                 self._release()
-        except BaseException as exc:
-            call.fail(exc)
-            raise
-        finally:
-            call.end()
 
     async def Complete(self, request: pb.GenerateRequest, grpc_context: RayServegRPCContext) -> pb.GenerateResult:
-        call = self._call("Complete", grpc_context)
-        try:
+        with self._call("Complete", grpc_context) as call:
             req = self._admit(request, grpc_context, call)
             try:
                 async for event in self._events(req, grpc_context):
@@ -110,24 +103,13 @@ class Router:
                 raise self._fail(grpc_context, grpc.StatusCode.INTERNAL, "the verifier ended without a result")
             finally:
                 self._release()
-        except BaseException as exc:
-            call.fail(exc)
-            raise
-        finally:
-            call.end()
 
     async def FactCheck(self, request: pb.FactCheckRequest, grpc_context: RayServegRPCContext) -> pb.FactCheckReport:
         """Check a text now (through the workers), or fetch an earlier output's annotations by id."""
-        call = self._call("FactCheck", grpc_context)
-        try:
-            # Current here (no yield crosses it); its status is set by the code, not by the exception.
-            with tracing.use_span(call.span, record_exception=False, set_status_on_exception=False):
-                return await self._factcheck(request, grpc_context)
-        except BaseException as exc:
-            call.fail(exc)
-            raise
-        finally:
-            call.end()
+        # The span is current here (no yield crosses it); its status comes from the code, not the exception.
+        with (self._call("FactCheck", grpc_context) as call,
+              tracing.use_span(call.span, record_exception=False, set_status_on_exception=False)):
+            return await self._factcheck(request, grpc_context)
 
     async def _factcheck(self, request: pb.FactCheckRequest, grpc_context: RayServegRPCContext) -> pb.FactCheckReport:
         self._authenticate(grpc_context)

@@ -40,7 +40,8 @@ class RouterMetrics:
 
 
 class RpcCall:
-    """One RPC: its span and, when it ends, its metrics. ``fail`` maps what ended it to a code."""
+    """One RPC: its span and, when it ends, its metrics; a context manager around the RPC's body,
+    whose exception (RpcError, a cancellation, a bug) becomes the call's status code."""
 
     def __init__(self, method: str, metadata: Any, metrics: RouterMetrics | None) -> None:
         self.method = method
@@ -52,6 +53,15 @@ class RpcCall:
             f"{SERVICE}/{method}", context=tracing.from_metadata(metadata), kind=tracing.SpanKind.SERVER,
             attributes={"rpc.system": "grpc", "rpc.service": SERVICE, "rpc.method": method},
         )
+
+    def __enter__(self) -> "RpcCall":
+        return self
+
+    def __exit__(self, exc_type, exc, tb) -> bool:
+        if exc is not None:
+            self.fail(exc)
+        self.end()
+        return False
 
     @property
     def context(self):

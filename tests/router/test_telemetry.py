@@ -20,9 +20,13 @@ def result(tokens: int, policy: str = "exact", lenient: int = 0) -> GenerationRe
 
 
 def finish(call: RpcCall, exc: BaseException | None = None) -> None:
-    if exc is not None:
-        call.fail(exc)
-    call.end()
+    """End ``call`` as an RPC body that raised ``exc`` (or returned) would."""
+    try:
+        with call:
+            if exc is not None:
+                raise exc
+    except BaseException as raised:  # noqa: BLE001 - re-raised unchanged by the context manager
+        assert raised is exc
 
 
 @pytest.mark.parametrize("exc, code", [
