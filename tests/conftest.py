@@ -44,3 +44,17 @@ def redis_client(redis_server):
     client = redis.Redis.from_url(redis_server.url)
     yield client
     client.close()
+
+
+@pytest.fixture
+def clean_env(monkeypatch):
+    """Only what a container gets: none of this machine's DRAFTMESH_*, REDIS_URL or OTEL_* settings."""
+    for key in list(os.environ):
+        if key.startswith(("DRAFTMESH_", "OTEL_")) or key == "REDIS_URL":
+            monkeypatch.delenv(key)
+
+    def apply(env: dict[str, str]) -> None:
+        for key, value in env.items():
+            monkeypatch.setenv(key, value)
+
+    return apply

@@ -63,20 +63,6 @@ def _hostnames(services: dict, name: str) -> set[str]:
     return names
 
 
-@pytest.fixture
-def clean_env(monkeypatch):
-    """Only what a container gets: none of this machine's DRAFTMESH_*, REDIS_URL or OTEL_* settings."""
-    for key in list(os.environ):
-        if key.startswith(("DRAFTMESH_", "OTEL_")) or key == "REDIS_URL":
-            monkeypatch.delenv(key)
-
-    def apply(env: dict[str, str]) -> None:
-        for key, value in env.items():
-            monkeypatch.setenv(key, value)
-
-    return apply
-
-
 def _mesh_config(services, monkeypatch, clean_env) -> MeshConfig:
     svc = services[MESH]
     clean_env(compose_environment(svc))

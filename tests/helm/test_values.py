@@ -1,0 +1,188 @@
+"""values.yaml and values.schema.json: wrong values fail at install time (Helm validates the schema
+before rendering) with a message that names the key; the schema's vocabularies are the app's own
+(draft source names, dtypes, log levels, MeshConfig and FactCheckConfig fields); every key of
+values.yaml is documented."""
+
+from __future__ import annotations
+
+import copy
+import dataclasses
+import re
+import typing
+
+import pytest
+
+from draftmesh.config import Dtype, FactCheckConfig, LogLevel, MeshConfig, NerBackendName, WikidataMode
+from draftmesh.draft.registry import DEFAULT_SOURCES, available
+from helm.chart import CHART_DIR, NAMESPACE, RELEASE, chart
+
+# MeshConfig fields the chart sets from its structured values (the rest go through meshConfig).
+CHART_OWNED = {
+    "model", "device", "dtype", "sources", "source_options", "remote_sources", "grpc_port", "metrics_port",
+    "verifier_replicas", "verifier_num_gpus", "verifier_num_cpus", "verifier_max_ongoing", "router_replicas",
+    "max_in_flight", "redis_url", "log_level", "factcheck", "factcheck_workers", "factcheck_options",
+}
+# MeshConfig fields that do not apply on Kubernetes (documented in values.yaml and helm/README.md).
+NOT_APPLICABLE = {"address", "api_keys", "tls_cert", "tls_key", "factcheck_python"}
+
+
+def schema_at(*path: str) -> dict:
+    node = chart().schema
+    for key in path:
+        node = node["properties"][key]
+    return node
+
+
+def install_error(values: dict) -> str:
+    """What `helm install` says about these values (schema, then templates), or "" if it renders."""
+    import helm_python as helm
+
+    try:
+        chart().render(copy.deepcopy(values), name=RELEASE, namespace=NAMESPACE, is_install=True)
+    except helm.HelmError as exc:
+        return str(exc)
+    return ""
+
+
+# --------------------------------------------------------------------------- the schema rejects
+
+
+@pytest.mark.parametrize("values, names", [
+    ({"verifier": {"replicas": -1}}, ["/verifier/replicas", "-1"]),
+    ({"verifier": {"replicas": 0}}, ["/verifier/replicas", "got 0"]),
+    ({"router": {"replicas": -2}}, ["/router/replicas", "-2"]),
+    ({"factcheck": {"replicas": -1}}, ["/factcheck/replicas", "-1"]),
+    ({"rayService": {"cpuWorkers": {"replicas": -3}}}, ["/rayService/cpuWorkers/replicas", "-3"]),
+    ({"sources": {"enabled": ["history", "telepathy"]}}, ["/sources/enabled/1", "'history'", "'rules'"]),
+    ({"sources": {"deployments": {"telepathy": {"enabled": True, "replicas": 1, "numCpus": 1, "numGpus": 0}}}},
+     ["invalid propertyName 'telepathy'", "'llm'"]),
+    ({"sources": {"options": {"telepathy": {}}}}, ["invalid propertyName 'telepathy'", "'rag'"]),
+    ({"verifier": {"dtype": "fp8"}}, ["/verifier/dtype", "'bfloat16'"]),
+    ({"verifierr": {"replicas": 2}}, ["additional properties", "verifierr"]),
+    ({"verifier": {"replica": 2}}, ["/verifier", "replica"]),
+    ({"meshConfig": {"api_keys": ["k"]}}, ["/meshConfig", "api_keys"]),
+    ({"meshConfig": {"max_nodes": -1}}, ["/meshConfig/max_nodes", "-1"]),
+    ({"verifier": {"numGpus": 1.5}}, ["/verifier/numGpus"]),
+    ({"verifier": {"numGpus": 1, "device": "cpu"}}, ["/verifier/device", "cuda"]),
+    ({"auth": {"apiKeys": ["has space"]}}, ["/auth/apiKeys/0"]),
+    ({"factcheck": {"options": {"ner": "regex"}}}, ["/factcheck/options/ner", "'spacy'"]),
+    ({"factcheck": {"options": {"wikidata": "offline"}}}, ["/factcheck/options", "wikidata_dump"]),
+    # null deletes a default key in Helm's coalescing: a container without a memory request.
+    ({"rayService": {"head": {"resources": {"requests": {"memory": None}}}}},
+     ["/rayService/head/resources/requests", "memory"]),
+    ({"grpc": {"port": 70000}}, ["/grpc/port", "maximum"]),
+    ({"tracing": {"otlpProtocol": "udp"}}, ["/tracing/otlpProtocol"]),
+])
+def test_wrong_values_fail_with_a_message_naming_them(values, names):
+    import helm_python as helm
+
+    with pytest.raises(helm.HelmValuesError) as caught:
+        chart().validate_schema(copy.deepcopy(values))
+    message = str(caught.value)
+    for name in names:
+        assert name in message, f"{name!r} not in {message!r}"
+    assert install_error(values), "helm install must refuse them too"
+
+
+@pytest.mark.parametrize("values, message", [
+    ({"sources": {"deployments": {"llm": {"enabled": True}}, "enabled": ["history", "llm"]}},
+     "sources.deployments.llm is enabled and llm is also in sources.enabled"),
+    ({"sources": {"external": {"rules": {"address": "x:1"}}}}, "sources.external.rules: rules is also in sources.enabled"),
+    ({"verifier": {"numGpus": 1}, "rayService": {"gpuWorkers": {"enabled": False}}}, "no pod would have a GPU"),
+    ({"verifier": {"numGpus": 0, "device": "cpu"}}, "nothing asks for a GPU"),
+    ({"verifier": {"numGpus": 2}}, "a replica must fit in one pod"),
+    ({"verifier": {"autoscaling": {"enabled": True, "minReplicas": 5, "maxReplicas": 2}}}, "minReplicas (5) is above maxReplicas (2)"),
+    ({"verifier": {"autoscaling": {"enabled": True, "targetOngoingRequests": 9}}}, "Serve would never scale up"),
+    ({"auth": {"existingSecret": "s", "apiKeys": ["k"]}}, "either existingSecret or apiKeys"),
+    ({"factcheck": {"options": {"redis_url": "redis://x"}}}, "redis_url"),
+])
+def test_contradictions_fail_at_install(values, message):
+    assert message in install_error(values)
+
+
+def test_the_rejections_are_not_blanket():
+    """Near misses of the wrong values above are accepted."""
+    for values in ({"verifier": {"replicas": 1, "dtype": "float16", "numGpus": 0.5}},
+                   {"sources": {"enabled": ["history", "prompt_lookup"]}},
+                   {"meshConfig": {"max_nodes": 0, "threads": 2}},
+                   {"factcheck": {"options": {"ner": "flair", "wikidata": "offline", "wikidata_dump": ["/d.json"]}}}):
+        chart().validate_schema(copy.deepcopy(values))
+        assert install_error(values) == ""
+
+
+# --------------------------------------------------------------------------- vocabularies
+
+
+def test_source_names_are_the_registrys():
+    names = set(available())
+    assert set(schema_at("sources", "enabled")["items"]["enum"]) == names
+    assert set(schema_at("sources", "options")["propertyNames"]["enum"]) == names
+    assert set(schema_at("sources", "deployments")["propertyNames"]["enum"]) == names
+    assert tuple(chart().values["sources"]["enabled"]) == DEFAULT_SOURCES, "the chart's default is the app's"
+    assert set(chart().values["sources"]["deployments"]) <= names
+
+
+def test_enums_are_the_apps():
+    assert schema_at("verifier", "dtype")["enum"] == list(typing.get_args(Dtype))
+    assert schema_at("rayService", "logLevel")["enum"] == list(typing.get_args(LogLevel))
+    fc = schema_at("factcheck", "options")["properties"]
+    assert fc["ner"]["enum"] == list(typing.get_args(NerBackendName))
+    assert fc["wikidata"]["enum"] == list(typing.get_args(WikidataMode))
+
+
+def test_every_meshconfig_field_is_placed():
+    """A new MeshConfig field must be given a place in the chart (or declared not applicable)."""
+    fields = {f.name for f in dataclasses.fields(MeshConfig)}
+    passthrough = set(schema_at("meshConfig")["properties"])
+    assert passthrough <= fields
+    assert not passthrough & CHART_OWNED and not passthrough & NOT_APPLICABLE
+    assert passthrough | CHART_OWNED | NOT_APPLICABLE == fields
+
+
+def test_factcheck_options_are_factcheckconfig_fields():
+    fields = {f.name for f in dataclasses.fields(FactCheckConfig)}
+    assert set(schema_at("factcheck", "options")["properties"]) == fields - {"redis_url"}
+
+
+def test_meshconfig_passthrough_bounds_match_the_app():
+    """Every bound the schema puts on meshConfig is one MeshConfig itself enforces (and vice versa)."""
+    defaults = MeshConfig()
+    for name, spec in schema_at("meshConfig")["properties"].items():
+        low = spec["minimum"]
+        MeshConfig(**{name: low})  # the schema's lowest value is valid for the app
+        if low > 0 or name in ("threads", "source_deadline_ms", "max_nodes", "trace_steps", "max_documents",
+                               "session_cache_size", "factcheck_wait_ms"):
+            with pytest.raises(ValueError):
+                MeshConfig(**{name: low - 1})
+        assert isinstance(getattr(defaults, name), int)
+
+
+# --------------------------------------------------------------------------- values.yaml
+
+
+# Keys whose value is a Kubernetes (or Ray, or app) object taken verbatim: their own comment
+# documents them; the keys inside are the API's.
+VERBATIM = {"resources", "podSecurityContext", "securityContext", "nodeSelector", "tolerations", "affinity",
+            "rayStartParams", "options", "annotations", "labels", "podSelector", "namespaceSelector",
+            "metricsFrom", "grpcFrom", "jaegerUiFrom", "extraEnv", "imagePullSecrets"}
+
+
+def test_every_values_key_is_documented():
+    """Each key of values.yaml has a comment line right above it, except inside verbatim objects."""
+    lines = (CHART_DIR / "values.yaml").read_text(encoding="utf-8").splitlines()
+    undocumented, stack = [], []  # stack: (indent, key) of the enclosing keys
+    for i, line in enumerate(lines):
+        m = re.match(r"^(\s*)(- )?([A-Za-z0-9_.\-/]+):(\s|$)", line)
+        if not m:
+            continue
+        indent = len(m.group(1)) + (2 if m.group(2) else 0)
+        while stack and stack[-1][0] >= indent:
+            stack.pop()
+        inside_verbatim = any(key in VERBATIM for _, key in stack)
+        stack.append((indent, m.group(3)))
+        if inside_verbatim or m.group(2):
+            continue
+        if not lines[i - 1].strip().startswith("#"):
+            undocumented.append(f"{i + 1}: {line.strip()}")
+    assert not undocumented, "undocumented keys:\n" + "\n".join(undocumented)
+    assert len(stack) > 0
