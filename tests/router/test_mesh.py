@@ -435,8 +435,11 @@ def test_one_request_is_one_trace_across_router_verifier_sources_and_factcheck(s
     assert got.factcheck.status == "done", got.factcheck
 
     def complete(spans):
-        names = {s.name for s in spans if s.trace_id == trace_id}
-        return {"factcheck.annotate", "draft deployment boom", "draftmesh.v1.Generation/Complete"} <= names
+        # Each process exports in batches, in the order its spans ended: the last span of each
+        # process in, all of that process's earlier ones are in too.
+        names = [s.name for s in spans if s.trace_id == trace_id]
+        last = {"factcheck.annotate", "draft deployment boom", "draftmesh.v1.Generation/Complete", "factcheck.output"}
+        return last <= set(names) and names.count("step") == got.usage.steps
 
     spans = [s for s in otlp.wait_for(complete, timeout_s=30) if s.trace_id == trace_id]
     by_id = {s.span_id: s for s in spans}
