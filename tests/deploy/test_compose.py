@@ -63,26 +63,25 @@ def _hostnames(services: dict, name: str) -> set[str]:
     return names
 
 
-def _mesh_config(services, monkeypatch, clean_env) -> MeshConfig:
-    svc = services[MESH]
+def _dispatched(services, name: str, subcommand: str, monkeypatch, clean_env):
+    """What ``draftmesh <subcommand>`` receives in the service's container (its environment only)."""
+    svc = services[name]
     clean_env(compose_environment(svc))
     argv = effective_argv(svc, _dockerfile(svc))
     assert argv[0] == "draftmesh"
     command, args = dispatch(argv[1:], monkeypatch)
-    assert command == "serve"
-    return config_from_args(args, MeshConfig)
+    assert command == subcommand
+    return args
+
+
+def _mesh_config(services, monkeypatch, clean_env) -> MeshConfig:
+    return config_from_args(_dispatched(services, MESH, "serve", monkeypatch, clean_env), MeshConfig)
 
 
 def _worker_config(services, monkeypatch, clean_env) -> tuple[FactCheckConfig, object]:
     from draftmesh.factcheck.worker import build_parser
 
-    svc = services[WORKER]
-    clean_env(compose_environment(svc))
-    argv = effective_argv(svc, _dockerfile(svc))
-    assert argv[0] == "draftmesh"
-    command, worker_argv = dispatch(argv[1:], monkeypatch)
-    assert command == "factcheck-worker"
-    args = build_parser().parse_args(worker_argv)
+    args = build_parser().parse_args(_dispatched(services, WORKER, "factcheck-worker", monkeypatch, clean_env))
     return config_from_args(args, FactCheckConfig), args
 
 
