@@ -29,7 +29,7 @@ def main() -> int:
     import torch
 
     from draftmesh.bench import EngineRunner, execute, prepare_items
-    from draftmesh.verify.backend import TorchTarget
+    from draftmesh.backend import TorchTarget
     from draftmesh.workload import load_workload
 
     torch.set_num_threads(args.threads)

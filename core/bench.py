@@ -1524,7 +1524,7 @@ def _error(msg: str) -> int:
 
 
 def _load_target(spec_or_target):
-    from draftmesh.verify.backend import TorchTarget
+    from draftmesh.backend import TorchTarget
 
     if isinstance(spec_or_target, TorchTarget):
         return spec_or_target

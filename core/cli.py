@@ -34,7 +34,7 @@ def cmd_run(args: argparse.Namespace) -> int:
     from draftmesh.prompts import encode_messages, encode_prompt
     from draftmesh.router.engine import decoder_from_config, load_target
     from draftmesh.verify.decoder import GenerationRequest
-    from draftmesh.verify.sampling import SamplingParams
+    from draftmesh.sampling import SamplingParams
 
     cfg = config_from_args(args)
     tracing.setup_tracing("engine")

@@ -23,7 +23,7 @@ def tiny(request):
 
 @pytest.fixture(scope="session")
 def smollm2():
-    from draftmesh.verify.backend import TorchTarget
+    from draftmesh.backend import TorchTarget
 
     return TorchTarget.load("smollm2-135m")
 

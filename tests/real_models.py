@@ -11,7 +11,7 @@ from __future__ import annotations
 import warnings
 
 from draftmesh.prompts import encode_messages
-from draftmesh.verify.backend import TorchTarget
+from draftmesh.backend import TorchTarget
 
 TIE_TOLERANCE = 1e-3
 

@@ -25,7 +25,7 @@ def tiny_target(
     """A random-weight model with the given architecture, wrapped as a TorchTarget."""
     from transformers import Gemma3ForCausalLM, Gemma3TextConfig, LlamaConfig, LlamaForCausalLM
 
-    from draftmesh.verify.backend import TorchTarget
+    from draftmesh.backend import TorchTarget
 
     torch.manual_seed(seed)
     common = dict(

@@ -44,9 +44,9 @@ from typing import Any, Sequence
 import torch
 
 from draftmesh.draft.base import DraftContext, Proposal
-from draftmesh.verify.backend import KVState, TorchTarget
-from draftmesh.verify.sampling import SamplingParams, target_probs
-from draftmesh.verify.tree import TokenTree
+from draftmesh.backend import KVState, TorchTarget
+from draftmesh.sampling import SamplingParams, target_probs
+from draftmesh.tree import TokenTree
 
 REENCODE_TOKENS = 8
 """Text mode: draft-side ids re-encoded at the end of the cached context each step."""

@@ -74,7 +74,7 @@ def _rag(env: SourceEnv, paths: list[str] | tuple[str, ...] = (), **options: Any
 def _llm(env: SourceEnv, draft: str = "smollm2-135m", device: str = "cpu", **options: Any) -> DraftSource:
     """A small draft LLM. Off by default: on CPU it costs more than it saves (docs/llm_source.md)."""
     from draftmesh.draft.llm import LLMSource
-    from draftmesh.verify.backend import TorchTarget
+    from draftmesh.backend import TorchTarget
 
     options.setdefault("target_vocab_size", env.vocab_size)
     return LLMSource(TorchTarget.load(draft, device=device), target_tokenizer=env.tokenizer, **options)

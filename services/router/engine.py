@@ -9,7 +9,7 @@ from draftmesh.draft import registry
 from draftmesh.draft.base import DraftSource
 from draftmesh.draft.align import TextAligner
 from draftmesh.router.tree_builder import BuilderConfig, CostAwareTreeBuilder
-from draftmesh.verify.backend import TorchTarget
+from draftmesh.backend import TorchTarget
 from draftmesh.verify.decoder import FlagProvider, SpeculativeDecoder
 from draftmesh.verify.session_kv import SessionKVPool
 

@@ -21,7 +21,7 @@ from typing import Mapping, Sequence
 
 from draftmesh.draft.base import DraftContext, Proposal
 from draftmesh.verify.acceptance import Verdict
-from draftmesh.verify.tree import DraftSequence, TokenTree
+from draftmesh.tree import DraftSequence, TokenTree
 
 MAX_DEPTH_BUCKET = 8
 CONFIDENCE_BINS = 5

@@ -16,7 +16,7 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, Sequence
 
 from draftmesh.verify.messages import ServeRequest
-from draftmesh.verify.tree import MAX_TREE_NODES
+from draftmesh.tree import MAX_TREE_NODES
 
 if TYPE_CHECKING:  # pragma: no cover
     from draftmesh.config import MeshConfig

@@ -12,8 +12,8 @@ from dataclasses import dataclass
 
 import torch
 
-from draftmesh.verify.sampling import SamplingParams, sample, target_probs
-from draftmesh.verify.tree import TokenTree
+from draftmesh.sampling import SamplingParams, sample, target_probs
+from draftmesh.tree import TokenTree
 
 
 @dataclass(frozen=True)

@@ -25,12 +25,12 @@ from draftmesh import tracing
 from draftmesh.draft.base import DraftContext, DraftSource, LearningSource, Proposal, sliced
 from draftmesh.verify.acceptance import Verdict
 from draftmesh.verify.policy import AcceptancePolicy, make_policy
-from draftmesh.verify.backend import KVState, TorchTarget
-from draftmesh.verify.sampling import SamplingParams
+from draftmesh.backend import KVState, TorchTarget
+from draftmesh.sampling import SamplingParams
 from draftmesh.verify.session_kv import SessionKVPool
 from draftmesh.verify.source_caller import SourceCaller
 from draftmesh.verify.text_stream import TextStream
-from draftmesh.verify.tree import MAX_TREE_NODES, TokenTree
+from draftmesh.tree import MAX_TREE_NODES, TokenTree
 from draftmesh.verify.trie_builder import TrieBuilder
 
 log = logging.getLogger(__name__)

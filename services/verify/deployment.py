@@ -23,7 +23,7 @@ from draftmesh import tracing
 from draftmesh.config import MeshConfig
 from draftmesh.metrics import RayMetrics
 from draftmesh.draft.base import DraftSource
-from draftmesh.verify.backend import TorchTarget
+from draftmesh.backend import TorchTarget
 from draftmesh.verify.decoder import SpeculativeDecoder
 from draftmesh.verify.factcheck_link import FactCheckLink
 from draftmesh.verify.messages import ServeRequest

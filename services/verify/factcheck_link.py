@@ -28,7 +28,7 @@ from draftmesh.draft.base import DraftContext
 from draftmesh.factcheck.client import FactCheckClient
 from draftmesh.factcheck.findings import Finding
 from draftmesh.factcheck.protocol import Annotation, SpanEntry, annotation_id_for_text
-from draftmesh.verify.tree import TokenTree
+from draftmesh.tree import TokenTree
 
 log = logging.getLogger(__name__)
 _tracer = tracing.tracer("draftmesh.verify")

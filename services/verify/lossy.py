@@ -41,8 +41,8 @@ import torch
 
 from draftmesh.verify.acceptance import Verdict
 from draftmesh.verify.policy import register
-from draftmesh.verify.sampling import SamplingParams, sample, target_probs
-from draftmesh.verify.tree import TokenTree
+from draftmesh.sampling import SamplingParams, sample, target_probs
+from draftmesh.tree import TokenTree
 
 Q_FLOOR = 1e-10
 """``nkl`` clips the draft distribution q to at least this before taking log q."""

@@ -13,8 +13,8 @@ from typing import Any, Callable, Mapping, Protocol
 import torch
 
 from draftmesh.verify.acceptance import Verdict, verify_greedy, verify_sampling
-from draftmesh.verify.sampling import SamplingParams
-from draftmesh.verify.tree import TokenTree
+from draftmesh.sampling import SamplingParams
+from draftmesh.tree import TokenTree
 
 
 class AcceptancePolicy(Protocol):

@@ -23,7 +23,7 @@ from draftmesh.verify.decoder import GenerationRequest, GenerationResult, Specul
 from draftmesh.verify.factcheck_link import FactCheckLink, FactCheckReport
 from draftmesh.verify.messages import Rejected, ServeRequest
 from draftmesh.verify.metrics import VerifierMetrics
-from draftmesh.verify.sampling import SamplingParams
+from draftmesh.sampling import SamplingParams
 
 log = logging.getLogger(__name__)
 

@@ -12,7 +12,7 @@ import threading
 from collections import OrderedDict
 from typing import Sequence
 
-from draftmesh.verify.backend import KVState
+from draftmesh.backend import KVState
 
 
 class SessionKVPool:

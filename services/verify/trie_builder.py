@@ -11,7 +11,7 @@ from typing import Sequence
 
 from draftmesh.draft.base import DraftContext, Proposal
 from draftmesh.verify.acceptance import Verdict
-from draftmesh.verify.tree import DraftSequence, TokenTree
+from draftmesh.tree import DraftSequence, TokenTree
 
 
 class TrieBuilder:

@@ -17,10 +17,10 @@ from draftmesh.draft.align import TextAligner
 from draftmesh.draft.base import DraftContext, Proposal
 from draftmesh.draft.llm import LLMSource
 from draftmesh.router.tree_builder import BuilderConfig, CostAwareTreeBuilder
-from draftmesh.verify.backend import TorchTarget
+from draftmesh.backend import TorchTarget
 from draftmesh.verify.decoder import GenerationRequest, SpeculativeDecoder
 from draftmesh.verify.trie_builder import TrieBuilder
-from draftmesh.verify.sampling import SamplingParams, target_probs
+from draftmesh.sampling import SamplingParams, target_probs
 
 from tiny_models import tiny_target
 

@@ -189,7 +189,7 @@ def test_seeded_plain_sampling_through_the_mesh_matches_in_process(stub, engine)
     """A seed fixes the sample given the drafts; with speculation off it is fully reproducible."""
     from draftmesh.prompts import encode_messages
     from draftmesh.verify.decoder import GenerationRequest
-    from draftmesh.verify.sampling import SamplingParams
+    from draftmesh.sampling import SamplingParams
 
     text = "Write a short poem about rivers."
     req = chat(text, 24, temperature=0.8, top_p=0.95, seed=7, speculation=pb.Speculation(enabled=False))

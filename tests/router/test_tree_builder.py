@@ -10,7 +10,7 @@ import pytest
 from draftmesh.draft.base import DraftContext, Proposal
 from draftmesh.router.tree_builder import AcceptanceStats, BuilderConfig, CostAwareTreeBuilder, CostModel
 from draftmesh.verify.acceptance import Verdict
-from draftmesh.verify.tree import DraftSequence, TokenTree
+from draftmesh.tree import DraftSequence, TokenTree
 
 CURVE = {1: 1.0, 2: 1.1, 4: 1.4, 8: 1.8, 16: 2.1, 32: 2.6, 64: 3.7}
 

@@ -10,7 +10,7 @@ from draftmesh.config import MeshConfig
 from draftmesh.router.validation import InvalidRequest, RequestLimits, parse_request
 from draftmesh.v1 import generation_pb2 as pb
 from draftmesh.verify.messages import ServeRequest
-from draftmesh.verify.tree import MAX_TREE_NODES
+from draftmesh.tree import MAX_TREE_NODES
 
 LIMITS = RequestLimits(
     max_prompt_bytes=100, max_documents=2, max_document_bytes=50, max_stop_strings=2, default_max_new_tokens=64

@@ -17,7 +17,7 @@ from draftmesh.factcheck.client import FactCheckClient
 from draftmesh.factcheck.protocol import annotation_id_for_text
 from draftmesh.net import free_port
 from draftmesh.verify.factcheck_link import FactCheckLink
-from draftmesh.verify.tree import TokenTree
+from draftmesh.tree import TokenTree
 
 WRONG = " Ada Lovelace was born on February 30, 2023 in London."
 RIGHT = " Ada Lovelace was born on March 3, 2023 in London."

@@ -13,8 +13,8 @@ from draftmesh.draft.base import DraftContext, Proposal
 from draftmesh.verify.decoder import GenerationRequest, SpeculativeDecoder
 from draftmesh.verify.lossy import BlockPolicy, NKLPolicy, SemanticPolicy, TypicalPolicy, best_path
 from draftmesh.verify.policy import make_policy
-from draftmesh.verify.sampling import SamplingParams
-from draftmesh.verify.tree import QDraw, TokenTree
+from draftmesh.sampling import SamplingParams
+from draftmesh.tree import QDraw, TokenTree
 
 from tiny_models import tiny_target
 

@@ -17,10 +17,10 @@ from scipy.stats import chisquare
 
 from draftmesh.verify import acceptance
 from draftmesh.verify.acceptance import verify_sampling
-from draftmesh.verify.backend import KVState
+from draftmesh.backend import KVState
 from draftmesh.verify.decoder import GenerationRequest, SpeculativeDecoder
-from draftmesh.verify.sampling import SamplingParams, sample, target_probs
-from draftmesh.verify.tree import TokenTree, QDraw
+from draftmesh.sampling import SamplingParams, sample, target_probs
+from draftmesh.tree import TokenTree, QDraw
 
 from tiny_models import tiny_target
 

@@ -11,9 +11,9 @@ import torch
 from draftmesh.draft.base import DraftContext, Proposal
 from draftmesh.draft.history import HistorySource
 from draftmesh.draft.prompt_lookup import PromptLookupSource
-from draftmesh.verify.backend import KVState
+from draftmesh.backend import KVState
 from draftmesh.verify.decoder import GenerationRequest, SpeculativeDecoder
-from draftmesh.verify.sampling import SamplingParams
+from draftmesh.sampling import SamplingParams
 from draftmesh.verify.session_kv import SessionKVPool
 from draftmesh.verify.trie_builder import TrieBuilder
 

@@ -6,7 +6,7 @@ import pytest
 
 from draftmesh.draft.base import Proposal
 from draftmesh.verify.decoder import GenerationRequest, SpeculativeDecoder
-from draftmesh.verify.sampling import SamplingParams
+from draftmesh.sampling import SamplingParams
 
 
 @pytest.fixture(scope="module")

@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from draftmesh.verify.tree import DraftSequence, QDraw, TokenTree
+from draftmesh.tree import DraftSequence, QDraw, TokenTree
 
 
 def test_sequences_merge_common_prefixes_and_record_every_source():

@@ -6,8 +6,8 @@ import random
 
 import torch
 
-from draftmesh.verify.backend import KVState
-from draftmesh.verify.tree import TokenTree
+from draftmesh.backend import KVState
+from draftmesh.tree import TokenTree
 
 
 def random_tree(rng: random.Random, vocab: int, n: int, max_depth: int = 6) -> TokenTree:

@@ -22,7 +22,7 @@ from typing import Sequence
 import torch
 from transformers import DynamicCache
 
-from draftmesh.verify.tree import TokenTree
+from draftmesh.tree import TokenTree
 
 COST_CURVE_SIZES = (1, 2, 4, 8, 16, 32, 64)
 
