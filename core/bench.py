@@ -364,7 +364,7 @@ class EngineRunner:
         self.counter: _CountingBuilder | None = None
 
     def reset(self) -> None:
-        from draftmesh.router.engine import build_decoder
+        from draftmesh.verify.engine import build_decoder
 
         kwargs: dict[str, Any] = {"source_options": self.source_options}
         if self.max_nodes is not None:  # else build_decoder's own default

@@ -32,7 +32,7 @@ def cmd_demo(args: argparse.Namespace) -> int:
 
 def cmd_run(args: argparse.Namespace) -> int:
     from draftmesh.prompts import encode_messages, encode_prompt
-    from draftmesh.router.engine import decoder_from_config, load_target
+    from draftmesh.verify.engine import decoder_from_config, load_target
     from draftmesh.verify.decoder import GenerationRequest
     from draftmesh.sampling import SamplingParams
 
@@ -67,7 +67,7 @@ def cmd_run(args: argparse.Namespace) -> int:
 
 
 def cmd_cost_curve(args: argparse.Namespace) -> int:
-    from draftmesh.router.engine import load_target
+    from draftmesh.verify.engine import load_target
 
     target = load_target(config_from_args(args))
     curve = target.measure_cost_curve(context=args.context, repeats=args.repeats)

@@ -17,7 +17,7 @@ def main(trace_steps: int) -> None:
     from draftmesh.draft.grpc_server import serve_source
     from draftmesh.draft.grpc_source import GrpcDraftSource
     from draftmesh.verify.decoder import GenerationRequest, SpeculativeDecoder
-    from draftmesh.verify.trie_builder import TrieBuilder
+    from draftmesh.verify.tree_builder import TrieBuilder
 
     target = tiny_target("llama")
     req = GenerationRequest((5, 6, 7, 8), max_new_tokens=24)

@@ -619,7 +619,7 @@ class GenerationBench:
     def __init__(self, args: argparse.Namespace, redis_url: str, worker: RunningWorker) -> None:
         from draftmesh.bench import prepare_items
         from draftmesh.config import EngineConfig
-        from draftmesh.router.engine import load_target
+        from draftmesh.verify.engine import load_target
         from draftmesh.workload import load_workload
 
         self.args = args
@@ -643,7 +643,7 @@ class GenerationBench:
     def _fresh(self) -> dict[str, Any]:
         """New decoders (fresh draft sources) and new links (fresh clients) for every arm."""
         from draftmesh.factcheck.client import FactCheckClient
-        from draftmesh.router.engine import decoder_from_config
+        from draftmesh.verify.engine import decoder_from_config
         from draftmesh.verify.factcheck_link import FactCheckLink
 
         for flags in self._links.values():

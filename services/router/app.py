@@ -17,7 +17,6 @@ GRPC_SERVICER_FUNCTIONS = ["draftmesh.v1.generation_pb2_grpc.add_GenerationServi
 
 def build_app(config: Mapping[str, Any] | MeshConfig):
     from draftmesh.draft.deployment import DraftDeployment
-    from draftmesh.router.engine import decoder_from_config
     from draftmesh.router.ingress import Router
     from draftmesh.verify.deployment import VerifierPool
 
@@ -37,7 +36,7 @@ def build_app(config: Mapping[str, Any] | MeshConfig):
         num_replicas=cfg.verifier_replicas,
         max_ongoing_requests=cfg.verifier_max_ongoing,
         ray_actor_options={"num_cpus": cfg.verifier_num_cpus, "num_gpus": cfg.verifier_num_gpus},
-    ).bind(plain, drafts, decoder_from_config)
+    ).bind(plain, drafts)
     return Router.options(
         num_replicas=cfg.router_replicas,
         # Above max_in_flight so the router's own admission answers RESOURCE_EXHAUSTED,

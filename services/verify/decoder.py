@@ -5,8 +5,10 @@ commit the KV of the accepted path, emit} until EOS, a stop string or the token 
 With no sources (or speculation off) the same loop is plain autoregressive decoding,
 the baseline every speed figure is compared with.
 
-The loop receives its sources and its tree builder as objects (small protocols), so this
-package never imports the router that implements the smart builder.
+Without a builder the loop uses the engine's cost-aware one, sized by the target's cost
+curve; any builder without an aligner gets the target tokenizer's, so text proposals
+(``rules``) always reach the tree. ``draftmesh.verify.engine`` assembles a decoder from
+config.
 """
 
 from __future__ import annotations
@@ -17,7 +19,7 @@ import time
 import uuid
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
-from typing import Any, Callable, Iterator, Mapping, Protocol, Sequence
+from typing import Any, Callable, Iterator, Mapping, Sequence
 
 from opentelemetry import trace
 
@@ -31,7 +33,7 @@ from draftmesh.verify.session_kv import SessionKVPool
 from draftmesh.verify.source_caller import SourceCaller
 from draftmesh.verify.text_stream import TextStream
 from draftmesh.tree import MAX_TREE_NODES, TokenTree
-from draftmesh.verify.trie_builder import TrieBuilder
+from draftmesh.verify.tree_builder import CostAwareTreeBuilder, TreeBuilder, default_aligner
 
 log = logging.getLogger(__name__)
 
@@ -128,18 +130,6 @@ class GenerationResult:
         return out
 
 
-class TreeBuilder(Protocol):
-    """Turns a step's proposals into a tree and learns from each verdict."""
-
-    max_nodes: int
-
-    def build(self, proposals: Sequence[Proposal], ctx: DraftContext) -> TokenTree: ...
-
-    def observe(self, tree: TokenTree, verdict: Verdict, ctx: DraftContext | None = None) -> None: ...
-
-    def finish(self, request_id: str) -> None: ...
-
-
 FlagProvider = Callable[[DraftContext, TokenTree], frozenset[int]]
 """Returns the tree nodes inside spans flagged by the fact-check service."""
 
@@ -160,7 +150,11 @@ class SpeculativeDecoder:
         names = [s.name for s in self.sources]
         if len(set(names)) != len(names):
             raise ValueError(f"draft source names must be unique, got {names}")
-        self.builder = builder or TrieBuilder()
+        if builder is None:
+            builder = CostAwareTreeBuilder(target.cost_curve or {1: 1.0})
+        if builder.aligner is None:
+            builder.aligner = default_aligner(target.tokenizer)
+        self.builder = builder
         self.flag_provider = flag_provider
         self.caller = SourceCaller(source_deadline_s)
         self.kv_pool = kv_pool

@@ -5,9 +5,7 @@ cheap sources in-process, so a step never crosses the network for them; remote s
 (draft deployments, external gRPC sources) are asked under the step deadline. Requests of
 one session are routed to the replica holding its KV cache through Serve's multiplexing
 (the session id is the "model id"); elsewhere they are recomputed from their token ids.
-
-The decoder is built by a function the app passes in, so this package never imports the
-router that owns the tree builder.
+Each replica assembles its own decoder from the config (``draftmesh.verify.engine``).
 """
 
 from __future__ import annotations
@@ -15,16 +13,16 @@ from __future__ import annotations
 import logging
 import os
 import socket
-from typing import Any, AsyncIterator, Callable, Mapping
+from typing import Any, AsyncIterator, Mapping
 
 from ray import serve
 
 from draftmesh import tracing
 from draftmesh.config import MeshConfig
 from draftmesh.metrics import RayMetrics
-from draftmesh.draft.base import DraftSource
 from draftmesh.backend import TorchTarget
 from draftmesh.verify.decoder import SpeculativeDecoder
+from draftmesh.verify.engine import decoder_from_config, remote_sources
 from draftmesh.verify.factcheck_link import FactCheckLink
 from draftmesh.verify.messages import ServeRequest
 from draftmesh.verify.metrics import VerifierMetrics
@@ -32,26 +30,6 @@ from draftmesh.verify.replica import VerifierReplica
 from draftmesh.verify.session_kv import SessionKVPool
 
 log = logging.getLogger(__name__)
-
-DecoderFactory = Callable[..., SpeculativeDecoder]
-"""(target, cfg, *, extra_sources, kv_pool, flag_provider) -> decoder; router.engine.decoder_from_config."""
-
-
-def remote_sources(cfg: MeshConfig, handles: Mapping[str, Any], tokenizer_name: str) -> list[DraftSource]:
-    """Sources outside this replica: Serve draft deployments by handle, external gRPC by address."""
-    from draftmesh.draft.grpc_source import GrpcDraftSource
-    from draftmesh.draft.remote import ServeHandleSource
-
-    deadline = cfg.source_deadline_s or 1.0
-    out: list[DraftSource] = []
-    for name, spec in (cfg.remote_sources or {}).items():
-        if "address" in spec:  # from_spec reads the entry's own timeout_ms
-            out.append(GrpcDraftSource.from_spec(name, spec, tokenizer_name=tokenizer_name, default_timeout_s=deadline))
-        else:
-            timeout = spec.get("timeout_ms", 1000 * deadline) / 1000
-            out.append(ServeHandleSource(name, handles[name], tokenizer_name=tokenizer_name, timeout_s=max(timeout, 1.0)))
-    return out
-
 
 class _Session:
     """What Serve's multiplexing "loads" per session: nothing but the routing affinity."""
@@ -62,7 +40,7 @@ class _Session:
 
 @serve.deployment(name="verifier", health_check_period_s=10, graceful_shutdown_timeout_s=5)
 class VerifierPool:
-    def __init__(self, config: dict, draft_handles: Mapping[str, Any], make_decoder: DecoderFactory) -> None:
+    def __init__(self, config: dict, draft_handles: Mapping[str, Any]) -> None:
         from transformers.utils import logging as hf_logging
 
         hf_logging.disable_progress_bar()  # replica output goes to the driver's console
@@ -70,7 +48,7 @@ class VerifierPool:
         cfg = MeshConfig(**config)
         cfg.apply_threads()
         target = TorchTarget.load(cfg.model, device=cfg.device, dtype=cfg.torch_dtype())
-        self._cfg, self._target, self._handles, self._make_decoder = cfg, target, draft_handles, make_decoder
+        self._cfg, self._target, self._handles = cfg, target, draft_handles
         context = serve.get_replica_context()
         name = f"{socket.gethostname()}/{context.replica_id.unique_id if context else os.getpid()}"
         self.replica = VerifierReplica(self._new_decoder(), name=name, factcheck=self._factcheck,
@@ -84,7 +62,7 @@ class VerifierPool:
         pool = SessionKVPool(max_sessions=cfg.session_cache_size) if cfg.session_cache_size else None
         extra = remote_sources(cfg, self._handles, cfg.model)
         self._factcheck = self._new_factcheck_link() if cfg.factcheck else None
-        return self._make_decoder(self._target, cfg, extra_sources=extra, kv_pool=pool, flag_provider=self._factcheck)
+        return decoder_from_config(self._target, cfg, extra_sources=extra, kv_pool=pool, flag_provider=self._factcheck)
 
     def _new_factcheck_link(self) -> FactCheckLink:
         from draftmesh.factcheck.client import FactCheckClient

@@ -40,7 +40,6 @@ from typing import Any, Callable, Sequence
 import torch
 
 from draftmesh.verify.acceptance import Verdict
-from draftmesh.verify.policy import register
 from draftmesh.sampling import SamplingParams, sample, target_probs
 from draftmesh.tree import TokenTree
 
@@ -453,9 +452,3 @@ class SemanticPolicy(_LossyPolicy):
 
     def __repr__(self) -> str:
         return f"SemanticPolicy(threshold={self.threshold!r})"
-
-
-register("typical", TypicalPolicy)
-register("nkl", NKLPolicy)
-register("block", BlockPolicy)
-register("semantic", SemanticPolicy)

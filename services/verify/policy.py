@@ -13,6 +13,7 @@ from typing import Any, Callable, Mapping, Protocol
 import torch
 
 from draftmesh.verify.acceptance import Verdict, verify_greedy, verify_sampling
+from draftmesh.verify.lossy import BlockPolicy, NKLPolicy, SemanticPolicy, TypicalPolicy
 from draftmesh.sampling import SamplingParams
 from draftmesh.tree import TokenTree
 
@@ -45,7 +46,14 @@ class ExactPolicy:
 
 
 PolicyFactory = Callable[..., AcceptancePolicy]
-POLICIES: dict[str, PolicyFactory] = {"exact": ExactPolicy}
+POLICIES: dict[str, PolicyFactory] = {
+    "exact": ExactPolicy,
+    "typical": TypicalPolicy,
+    "nkl": NKLPolicy,
+    "block": BlockPolicy,
+    "semantic": SemanticPolicy,
+}
+"""Policies by name: ``exact`` (lossless) and the lossy opt-ins of ``draftmesh.verify.lossy``."""
 
 
 def register(name: str, factory: PolicyFactory) -> None:
@@ -60,7 +68,6 @@ def make_policy(
     ``tokenizer`` (the target's) is handed to factories that declare ``needs_tokenizer``;
     request params cannot override it.
     """
-    _load_builtin_policies()
     try:
         factory = POLICIES[name]
     except KeyError:
@@ -75,12 +82,4 @@ def make_policy(
 
 
 def available_policies() -> list[str]:
-    _load_builtin_policies()
     return sorted(POLICIES)
-
-
-def _load_builtin_policies() -> None:
-    try:
-        import draftmesh.verify.lossy  # noqa: F401  (registers the lossy opt-ins)
-    except ImportError:
-        pass

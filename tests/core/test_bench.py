@@ -822,7 +822,7 @@ class EngineGeneration(pb_grpc.GenerationServicer):
     one decoder shared by every request (like the mesh), rendering prompts with draftmesh.prompts."""
 
     def __init__(self, target):
-        from draftmesh.router.engine import build_decoder
+        from draftmesh.verify.engine import build_decoder
 
         self.target = target
         self.decoder = build_decoder(target)

@@ -84,7 +84,7 @@ def test_tree_size_is_bounded():
 
 def test_trie_builder_keeps_q_draws_unless_it_cuts_or_reorders():
     from draftmesh.draft.base import DraftContext, Proposal
-    from draftmesh.verify.trie_builder import TrieBuilder
+    from draftmesh.verify.tree_builder import TrieBuilder
 
     q = torch.full((2, 6), 1 / 6, dtype=torch.float64)
     ctx = DraftContext(token_ids=(1,), prompt_len=1)

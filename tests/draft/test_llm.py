@@ -16,10 +16,10 @@ import torch
 from draftmesh.draft.align import TextAligner
 from draftmesh.draft.base import DraftContext, Proposal
 from draftmesh.draft.llm import LLMSource
-from draftmesh.router.tree_builder import BuilderConfig, CostAwareTreeBuilder
+from draftmesh.verify.tree_builder import BuilderConfig, CostAwareTreeBuilder
 from draftmesh.backend import TorchTarget
 from draftmesh.verify.decoder import GenerationRequest, SpeculativeDecoder
-from draftmesh.verify.trie_builder import TrieBuilder
+from draftmesh.verify.tree_builder import TrieBuilder
 from draftmesh.sampling import SamplingParams, target_probs
 
 from tiny_models import tiny_target

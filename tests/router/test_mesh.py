@@ -114,7 +114,7 @@ AUTH = (("authorization", f"Bearer {API_KEY}"),)
 def engine(mesh):
     """The in-process engine with the mesh's in-process sources."""
     from draftmesh.config import EngineConfig
-    from draftmesh.router.engine import decoder_from_config, load_target
+    from draftmesh.verify.engine import decoder_from_config, load_target
 
     cfg = EngineConfig(threads=2)
     return decoder_from_config(load_target(cfg), cfg)

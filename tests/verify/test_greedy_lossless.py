@@ -8,7 +8,7 @@ import pytest
 
 from draftmesh.draft.base import DraftContext, Proposal
 from draftmesh.verify.decoder import GenerationRequest, SpeculativeDecoder
-from draftmesh.verify.trie_builder import TrieBuilder
+from draftmesh.verify.tree_builder import TrieBuilder
 
 MODES = ("all_right", "all_wrong", "deep_chain", "wide", "duplicates", "mix")
 

@@ -13,7 +13,7 @@ from draftmesh.verify.decoder import GenerationResult, SpeculativeDecoder, StepE
 from draftmesh.verify.messages import ServeRequest
 from draftmesh.verify.metrics import VerifierMetrics
 from draftmesh.verify.replica import VerifierReplica
-from draftmesh.verify.trie_builder import TrieBuilder
+from draftmesh.verify.tree_builder import TrieBuilder
 
 
 class Oracle:

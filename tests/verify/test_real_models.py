@@ -7,7 +7,7 @@ import pytest
 from draftmesh.draft.prompt_lookup import PromptLookupSource
 from draftmesh.backend import TorchTarget
 from draftmesh.verify.decoder import GenerationRequest, SpeculativeDecoder
-from draftmesh.verify.trie_builder import TrieBuilder
+from draftmesh.verify.tree_builder import TrieBuilder
 from real_models import PROMPTS, assert_identical_or_near_tie, chat_ids
 
 pytestmark = pytest.mark.slow

@@ -15,7 +15,7 @@ from draftmesh.backend import KVState
 from draftmesh.verify.decoder import GenerationRequest, SpeculativeDecoder
 from draftmesh.sampling import SamplingParams
 from draftmesh.verify.session_kv import SessionKVPool
-from draftmesh.verify.trie_builder import TrieBuilder
+from draftmesh.verify.tree_builder import TrieBuilder
 
 
 def random_ids(rng: random.Random, vocab: int, n: int) -> list[int]:

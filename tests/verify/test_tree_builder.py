@@ -8,7 +8,7 @@ import random
 import pytest
 
 from draftmesh.draft.base import DraftContext, Proposal
-from draftmesh.router.tree_builder import AcceptanceStats, BuilderConfig, CostAwareTreeBuilder, CostModel
+from draftmesh.verify.tree_builder import AcceptanceStats, BuilderConfig, CostAwareTreeBuilder, CostModel
 from draftmesh.verify.acceptance import Verdict
 from draftmesh.tree import DraftSequence, TokenTree
 
@@ -143,3 +143,27 @@ def test_text_proposals_are_aligned_with_the_target_tokenizer():
     c = DraftContext(token_ids=committed, prompt_len=len(committed), request_id="t")
     tree = builder.build([Proposal("rules", text="serve Board of Governors", confidence=0.9)], c)
     assert tok.decode(list(committed) + tree.tokens).startswith("The chair of the Federal Reserve Board")
+
+
+def test_every_builder_drafts_text_proposals_in_a_plain_decoder():
+    """``SpeculativeDecoder(target, sources)`` with no builder, or with a TrieBuilder given no
+    aligner, still turns a text source's drafts into tree nodes (they used to be dropped)."""
+    from draftmesh.verify.decoder import GenerationRequest, SpeculativeDecoder
+    from draftmesh.verify.tree_builder import TrieBuilder
+    from tiny_models import tiny_target
+
+    target = tiny_target("llama")
+    req = GenerationRequest((5, 6, 7), max_new_tokens=20)
+    want = SpeculativeDecoder(target).generate(req).token_ids
+
+    class TextOracle:
+        name = "text"
+
+        def propose(self, c: DraftContext) -> list[Proposal]:
+            rest = want[len(c.generated_ids):][:6]
+            return [Proposal("text", text=" " + target.tokenizer.decode(rest), text_complete=True)] if rest else []
+
+    for builder in (None, TrieBuilder(max_nodes=8)):
+        got = SpeculativeDecoder(target, [TextOracle()], builder).generate(req)
+        assert got.token_ids == want
+        assert sum(s.accepted_by_source.get("text", 0) for s in got.steps) >= len(want) // 2

@@ -6,7 +6,7 @@ import random
 
 import pytest
 
-from draftmesh.router.engine import build_decoder
+from draftmesh.verify.engine import build_decoder
 from draftmesh.verify.decoder import GenerationRequest
 from tiny_models import tiny_target
 

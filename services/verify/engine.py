@@ -1,14 +1,16 @@
-"""Wire a target, named draft sources and the cost-aware tree builder into a decoder."""
+"""Assemble the engine: a target, named draft sources (in-process and remote) and the cost-aware
+tree builder, into a decoder."""
 
 from __future__ import annotations
 
-from typing import Mapping, Sequence
+from typing import Any, Mapping, Sequence
 
-from draftmesh.config import EngineConfig
+from draftmesh.config import EngineConfig, MeshConfig
 from draftmesh.draft import registry
 from draftmesh.draft.base import DraftSource
-from draftmesh.draft.align import TextAligner
-from draftmesh.router.tree_builder import BuilderConfig, CostAwareTreeBuilder
+from draftmesh.draft.grpc_source import GrpcDraftSource
+from draftmesh.draft.remote import ServeHandleSource
+from draftmesh.verify.tree_builder import BuilderConfig, CostAwareTreeBuilder, default_aligner
 from draftmesh.backend import TorchTarget
 from draftmesh.verify.decoder import FlagProvider, SpeculativeDecoder
 from draftmesh.verify.session_kv import SessionKVPool
@@ -45,8 +47,7 @@ def build_decoder(
     if built and not target.cost_curve:
         target.measure_cost_curve()
     config = builder_config or BuilderConfig(max_nodes=max_nodes)
-    aligner = TextAligner(target.tokenizer) if getattr(target.tokenizer, "backend_tokenizer", None) else None
-    builder = CostAwareTreeBuilder(target.cost_curve or {1: 1.0}, config, aligner=aligner)
+    builder = CostAwareTreeBuilder(target.cost_curve or {1: 1.0}, config, aligner=default_aligner(target.tokenizer))
     return SpeculativeDecoder(target, built, builder, flag_provider=flag_provider,
                               source_deadline_s=source_deadline_s, kv_pool=kv_pool, trace_steps=trace_steps)
 
@@ -78,3 +79,16 @@ def decoder_from_config(
         flag_provider=flag_provider,
         trace_steps=cfg.trace_steps,
     )
+
+
+def remote_sources(cfg: MeshConfig, handles: Mapping[str, Any], tokenizer_name: str) -> list[DraftSource]:
+    """Sources outside the verifier replica: Serve draft deployments by handle, external gRPC by address."""
+    deadline = cfg.source_deadline_s or 1.0
+    out: list[DraftSource] = []
+    for name, spec in (cfg.remote_sources or {}).items():
+        if "address" in spec:  # from_spec reads the entry's own timeout_ms
+            out.append(GrpcDraftSource.from_spec(name, spec, tokenizer_name=tokenizer_name, default_timeout_s=deadline))
+        else:
+            timeout = spec.get("timeout_ms", 1000 * deadline) / 1000
+            out.append(ServeHandleSource(name, handles[name], tokenizer_name=tokenizer_name, timeout_s=max(timeout, 1.0)))
+    return out

@@ -1,4 +1,11 @@
-"""The cost-aware multi-source tree builder.
+"""Tree builders: a step's proposals (token ids or text) in, the token tree to verify out.
+
+``CostAwareTreeBuilder`` (the engine's) is described here; ``TrieBuilder`` merges every
+proposal up to a cap and keeps sampled (q) draws, for sources that sample. Both turn text
+proposals into target tokens with the same ``TextAligner``, so a text source (``rules``,
+another tokenizer's drafter) drafts under either builder.
+
+The cost-aware multi-source builder:
 
 All proposals of a step are merged into one trie; a node proposed by several sources
 records all of them. Each node is scored by the estimated probability that the target
@@ -19,9 +26,14 @@ from collections import OrderedDict
 from dataclasses import dataclass, field
 from typing import Mapping, Sequence
 
+import logging
+
+from draftmesh.draft.align import TextAligner
 from draftmesh.draft.base import DraftContext, Proposal
-from draftmesh.verify.acceptance import Verdict
 from draftmesh.tree import DraftSequence, TokenTree
+from draftmesh.verify.acceptance import Verdict
+
+log = logging.getLogger(__name__)
 
 MAX_DEPTH_BUCKET = 8
 CONFIDENCE_BINS = 5
@@ -145,6 +157,45 @@ class AcceptanceStats:
         return out
 
 
+def default_aligner(tokenizer) -> TextAligner | None:
+    """The aligner for the target's tokenizer; None (text proposals unusable) for a slow one."""
+    if getattr(tokenizer, "backend_tokenizer", None) is None:
+        return None
+    return TextAligner(tokenizer)
+
+
+def proposal_sequences(
+    proposals: Sequence[Proposal], ctx: DraftContext, aligner: TextAligner | None, *, keep_dists: bool = False
+) -> list[DraftSequence]:
+    """One token chain per usable proposal, in the given order; text proposals aligned to the
+    committed ids (a proposal that aligns to nothing, or text without an aligner, is dropped).
+
+    Token proposals keep their own probabilities; aligned text gets its confidence per
+    token. ``keep_dists`` passes a sampled proposal's q rows on (only a builder that never
+    selects by value may keep them)."""
+    out = []
+    for p in proposals:
+        tokens, probs, dists = p.token_ids, p.token_probs, p.token_dists if keep_dists else None
+        if tokens is None and p.text:
+            if aligner is None:
+                _warn_unaligned(p.source)
+                continue
+            tokens, probs = aligner.align(ctx.token_ids, p.text, complete=p.text_complete), None
+        if tokens:
+            out.append(DraftSequence(tuple(tokens), p.source, dists, probs if probs is not None else (p.confidence,) * len(tokens)))
+    return out
+
+
+_WARNED_UNALIGNED: set[str] = set()
+
+
+def _warn_unaligned(source: str) -> None:
+    if source not in _WARNED_UNALIGNED:
+        _WARNED_UNALIGNED.add(source)
+        log.warning("text proposals of %s are dropped: the target's tokenizer is not a fast one, so no "
+                    "TextAligner can map them to target tokens", source)
+
+
 @dataclass
 class _RequestState:
     fruitless: int = 0
@@ -152,13 +203,13 @@ class _RequestState:
 
 
 class CostAwareTreeBuilder:
-    """Implements the decode loop's TreeBuilder protocol."""
+    """The engine's builder: best nodes by estimated acceptance, sized by the cost curve."""
 
     def __init__(
         self,
         cost_curve: Mapping[int, float],
         config: BuilderConfig | None = None,
-        aligner=None,
+        aligner: TextAligner | None = None,
     ) -> None:
         self.config = config or BuilderConfig()
         self.cost = CostModel(cost_curve)
@@ -177,7 +228,7 @@ class CostAwareTreeBuilder:
         if state.cooldown > 0:
             state.cooldown -= 1
             return TokenTree()
-        sequences = self._sequences(proposals, ctx)
+        sequences = proposal_sequences(proposals, ctx, self.aligner)
         if not sequences or cap == 0:
             return TokenTree()
         full = TokenTree.from_sequences(sequences)
@@ -189,17 +240,6 @@ class CostAwareTreeBuilder:
         tree = full.subtree(keep).strip_q()
         tree.source_scores = [conf[i] for i in sorted(keep)]
         return tree
-
-    def _sequences(self, proposals: Sequence[Proposal], ctx: DraftContext) -> list[DraftSequence]:
-        out = []
-        for p in proposals:
-            tokens = p.token_ids
-            if tokens is None and self.aligner is not None and p.text:
-                tokens = self.aligner.align(ctx.token_ids, p.text, complete=p.text_complete)
-            if tokens:
-                probs = p.token_probs if p.token_probs is not None and p.token_ids is not None else (p.confidence,) * len(tokens)
-                out.append(DraftSequence(tuple(tokens), p.source, None, probs))
-        return out
 
     def _scores(self, tree: TokenTree, conf: Sequence[Mapping[str, float]]) -> list[float]:
         """P(node accepted) = P(parent accepted) * P(node | parent), siblings capped at 1.
@@ -282,3 +322,42 @@ class CostAwareTreeBuilder:
         else:
             self._requests.move_to_end(request_id)
         return state
+
+
+class TrieBuilder:
+    """Merge every proposal, most confident first, up to a node cap; no learning.
+
+    For sources that sample: a q draw keeps its distribution only when no proposal was
+    reordered or cut, since choosing drafts by their values would bias the residual rule.
+    Text proposals are aligned like the cost-aware builder's.
+    """
+
+    def __init__(self, max_nodes: int = 16, aligner: TextAligner | None = None) -> None:
+        if max_nodes < 0:
+            raise ValueError(f"max_nodes must be >= 0, got {max_nodes}")
+        self.max_nodes = max_nodes
+        self.aligner = aligner
+
+    def build(self, proposals: Sequence[Proposal], ctx: DraftContext) -> TokenTree:
+        usable = [p for p in proposals if p.token_ids or p.text]
+        ranked = sorted(usable, key=lambda p: -p.confidence)
+        seqs = proposal_sequences(ranked, ctx, self.aligner, keep_dists=True)
+        cap = min(self.max_nodes, int(ctx.options.get("max_nodes", self.max_nodes)))
+        tree = TokenTree.from_sequences(seqs)
+        cut = len(tree) > cap
+        if cut:  # the first `cap` nodes are what a capped build keeps (parents precede children)
+            tree = tree.subtree(range(cap))
+        reordered = any(a is not b for a, b in zip(ranked, usable))
+        if reordered or cut:
+            tree = tree.strip_q()
+        return tree
+
+    def observe(self, tree: TokenTree, verdict: Verdict, ctx: DraftContext | None = None) -> None:
+        return None
+
+    def finish(self, request_id: str) -> None:
+        return None
+
+
+TreeBuilder = CostAwareTreeBuilder | TrieBuilder
+"""The builders the decode loop accepts."""
