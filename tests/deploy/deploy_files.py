@@ -652,7 +652,7 @@ def dispatch(argv: list[str], monkeypatch) -> tuple[str, Any]:
     replaced by a recorder, so nothing starts. -> (command, parsed namespace or worker argv).
 
     argparse errors surface as ``SystemExit`` (code 2), exactly as on a command line."""
-    import draftmesh.cli as cli
+    import draftmesh.cli.main as cli
     import draftmesh.factcheck.worker as worker
 
     seen: list[tuple[str, Any]] = []

@@ -132,10 +132,10 @@ def test_dockerignore_keeps_every_file_of_copied_directories(dockerfile, dockeri
 
 def test_dockerignore_excludes_local_environments_and_output(dockerignore):
     for path in (".venv/bin/python", ".venv-factcheck/bin/python", ".git/HEAD", "out/bench.json",
-                 "core/__pycache__/cli.cpython-311.pyc", "draftmesh.egg-info/PKG-INFO",
+                 "cli/__pycache__/main.cpython-311.pyc", "draftmesh.egg-info/PKG-INFO",
                  "protos/draftmesh/v1/generation_pb2.py", "tests/fixtures/schemas/compose-spec.json"):
         assert dockerignore.excluded(path), path
-    for path in ("pyproject.toml", "setup.py", "README.md", "core/cli.py", "protos/draftmesh/v1/generation.proto",
+    for path in ("pyproject.toml", "setup.py", "README.md", "cli/main.py", "core/config.py", "protos/draftmesh/v1/generation.proto",
                  "services/factcheck/requirements-worker.txt", "services/draft/default_rules.yaml"):
         assert not dockerignore.excluded(path), path
 
@@ -215,7 +215,7 @@ def test_the_wheel_builds_from_exactly_what_the_image_copies(dockerfile, dockeri
                            "--target", str(site), str(wheel)], capture_output=True, text=True, timeout=300)
     assert inst.returncode == 0, inst.stdout + inst.stderr
     probe = subprocess.run(
-        [sys.executable, "-c", "import draftmesh, draftmesh.v1.generation_pb2_grpc, draftmesh.health; print(draftmesh.__file__)"],
+        [sys.executable, "-c", "import draftmesh, draftmesh.v1.generation_pb2_grpc, draftmesh.cli.health; print(draftmesh.__file__)"],
         capture_output=True, text=True, timeout=120, env={"PYTHONPATH": str(site), "PATH": "/usr/bin:/bin"},
     )
     assert probe.returncode == 0, probe.stderr
@@ -333,7 +333,7 @@ def _script_target(name: str) -> str:
 def test_entrypoints_are_the_console_script_and_a_real_subcommand(dockerfile):
     import importlib
 
-    import draftmesh.cli as cli
+    import draftmesh.cli.main as cli
 
     entry, cmd = dockerfile.entrypoint_and_cmd()
     argv = entry + cmd

@@ -15,7 +15,7 @@ import yaml
 
 from deploy.deploy_files import dispatch
 from draftmesh.config import MeshConfig, config_from_args
-from draftmesh.health import DEFAULT_APPLICATION
+from draftmesh.cli.health import DEFAULT_APPLICATION
 from draftmesh.router.app import APP_NAME, GRPC_SERVICER_FUNCTIONS
 from helm.chart import Rendered, render
 

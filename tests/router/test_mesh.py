@@ -534,7 +534,7 @@ def test_metrics_endpoint_counts_requests_steps_and_sources(mesh, stub):
 
 
 def test_the_container_health_check_passes_against_the_real_mesh(mesh):
-    from draftmesh.health import check_health
+    from draftmesh.cli.health import check_health
     from draftmesh.router.app import APP_NAME
 
     status = check_health(mesh.address, timeout=10)

@@ -12,8 +12,8 @@ import pytest
 from ray.serve.generated import serve_pb2, serve_pb2_grpc
 
 from deploy.deploy_files import dispatch
-from draftmesh import health
-from draftmesh.cli import main
+from draftmesh.cli import health
+from draftmesh.cli.main import main
 from draftmesh.net import free_port
 
 SERVICE = serve_pb2.DESCRIPTOR.services_by_name["RayServeAPIService"]

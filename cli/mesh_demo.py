@@ -16,7 +16,7 @@ from dataclasses import dataclass
 from typing import Any, TextIO
 
 from draftmesh.config import MeshConfig
-from draftmesh.demo import DEMO_MESSAGES
+from draftmesh.cli.demo import DEMO_MESSAGES
 
 RAG_DOCUMENT = (
     "The Lindqvist Observatory was founded in 1911 on the summit of Mount Harrow. Its main "
@@ -65,7 +65,7 @@ def _compare(client, name: str, request, out: TextIO, *, echo: bool = False, lab
     if echo:
         print("\n---", file=out)
         if spec.HasField("factcheck"):
-            from draftmesh.client import format_factcheck
+            from draftmesh.cli.generate import format_factcheck
 
             print(format_factcheck(spec.factcheck), file=out)
     plain_req = pb.GenerateRequest()

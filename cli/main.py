@@ -19,12 +19,12 @@ def _offline_defaults() -> None:
 
 def cmd_demo(args: argparse.Namespace) -> int:
     if args.in_process:
-        from draftmesh.demo import run_demo
+        from draftmesh.cli.demo import run_demo
 
         cfg = config_from_args(args, MeshConfig)  # an EngineConfig; the mesh keys go unused
         run_demo(cfg, repeats=args.repeats, max_new_tokens=args.max_new_tokens)
         return 0
-    from draftmesh.mesh_demo import run_mesh_demo
+    from draftmesh.cli.mesh_demo import run_mesh_demo
 
     summary = run_mesh_demo(config_from_args(args, MeshConfig), addr=args.addr, max_new_tokens=args.max_new_tokens)
     return 0 if summary["all_identical"] else 1
@@ -163,14 +163,14 @@ def cmd_serve(args: argparse.Namespace) -> int:
 
 
 def cmd_generate(args: argparse.Namespace) -> int:
-    from draftmesh.client import run_generate_cli
+    from draftmesh.cli.generate import run_generate_cli
 
     return run_generate_cli(args)
 
 
 def cmd_health(args: argparse.Namespace) -> int:
     """Exit 0 when a running mesh's gRPC front door is healthy and serves the app, else 1 (container health checks)."""
-    from draftmesh.health import run_health_cli
+    from draftmesh.cli.health import run_health_cli
 
     return run_health_cli(args)
 
@@ -230,13 +230,13 @@ def build_parser() -> argparse.ArgumentParser:
     add_config_arguments(srv, MeshConfig)
     srv.set_defaults(func=cmd_serve)
 
-    from draftmesh.client import add_generate_arguments
+    from draftmesh.cli.generate import add_generate_arguments
 
     gen = sub.add_parser("generate", help="send one request to a running mesh and print the answer and its stats")
     add_generate_arguments(gen)
     gen.set_defaults(func=cmd_generate)
 
-    from draftmesh.health import add_health_arguments
+    from draftmesh.cli.health import add_health_arguments
 
     health = sub.add_parser("health", help="check that a running mesh's gRPC front door is healthy and serves the app "
                                            "(exit 0) or not (exit 1)")

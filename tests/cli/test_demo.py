@@ -5,7 +5,7 @@ from __future__ import annotations
 import io
 
 from draftmesh.config import EngineConfig
-from draftmesh.demo import run_demo
+from draftmesh.cli.demo import run_demo
 from tiny_models import tiny_target
 
 
