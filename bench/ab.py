@@ -1,10 +1,10 @@
 """A/B engine variants on a workload, interleaved in one process (a developer tool).
 
 `draftmesh bench` compares methods; this compares *configurations* of the draftmesh method
-(source options), each beside plain, with the bench's own runners, warm-up, interleaving
-and medians. Used for the history-source experiments noted on issue 2:
+(source options), each beside plain, with the bench's own runners, warm-up, interleaving,
+medians, statistics and tables. Used for the history-source experiments noted on issue 2:
 
-    .venv/bin/python bench/ab.py --repeats 3 --variant 'resume={"history": {"resume_window": 8}}'
+    .venv/bin/python -m draftmesh.bench.ab --repeats 3 --variant 'resume={"history": {"resume_window": 8}}'
 """
 
 from __future__ import annotations
@@ -12,7 +12,16 @@ from __future__ import annotations
 import argparse
 import collections
 import json
-import math
+
+import torch
+
+from draftmesh.backend import TorchTarget
+from draftmesh.bench.items import prepare_items
+from draftmesh.bench.loop import execute
+from draftmesh.bench.report import table
+from draftmesh.bench.runners import EngineRunner
+from draftmesh.bench.stats import geometric_mean
+from draftmesh.bench.workload import load_workload
 
 
 def main() -> int:
@@ -25,12 +34,6 @@ def main() -> int:
     parser.add_argument("--variant", action="append", default=[], metavar="NAME=JSON",
                         help="source options of one variant, e.g. 'ng1={\"history\": {\"min_ngram\": 1}}' (repeatable)")
     args = parser.parse_args()
-
-    import torch
-
-    from draftmesh.bench import EngineRunner, execute, prepare_items
-    from draftmesh.backend import TorchTarget
-    from draftmesh.workload import load_workload
 
     torch.set_num_threads(args.threads)
     variants = {"default": None}
@@ -50,15 +53,15 @@ def main() -> int:
     def speedup(v, name):
         return v[name].tokens_per_s / v["plain"].tokens_per_s
 
-    print("kind      " + "".join(f"{name:>12s}" for name in variants))
+    rows = []
     for kind in ["all", *dict.fromkeys(v["plain"].kind for v in by.values())]:
-        rows = [v for v in by.values() if kind == "all" or v["plain"].kind == kind]
-        cells = [math.exp(sum(math.log(speedup(v, n)) for v in rows) / len(rows)) for n in variants]
-        print(f"{kind:9s} " + "".join(f"{c:11.3f}x" for c in cells))
+        group = [v for v in by.values() if kind == "all" or v["plain"].kind == kind]
+        rows.append([kind, *(f"{geometric_mean(speedup(v, n) for v in group):.3f}x" for n in variants)])
     for item_id, v in by.items():
-        print(f"  {item_id:28s}" + "".join(f"{speedup(v, n):11.2f}x" for n in variants)
-              + ("" if all(v[n].identical_to_plain for n in variants) else "  NOT IDENTICAL"))
-    return 0 if all(r.identical_to_plain is not False for r in results) else 1
+        same = all(v[n].identical_to_plain for n in variants)
+        rows.append([f"  {item_id}", *(f"{speedup(v, n):.2f}x" for n in variants), "" if same else "NOT IDENTICAL"])
+    print("\n".join(table(["kind / item", *variants, ""], rows, [False, *[True] * len(variants), False])))
+    return 0
 
 
 if __name__ == "__main__":

@@ -8,6 +8,7 @@ import os
 import sys
 
 from draftmesh import tracing
+from draftmesh.bench.cli import add_arguments as add_bench_arguments
 from draftmesh.config import EngineConfig, MeshConfig, add_config_arguments, config_from_args
 
 
@@ -91,9 +92,9 @@ def cmd_prepare_models(args: argparse.Namespace) -> int:
 
 
 def cmd_bench(args: argparse.Namespace) -> int:
-    from draftmesh import bench
+    from draftmesh.bench.run import run  # lazy: loads torch and the engine
 
-    return bench.run(args)
+    return run(args)
 
 
 def cmd_draft_serve(args: argparse.Namespace) -> int:
@@ -243,14 +244,9 @@ def build_parser() -> argparse.ArgumentParser:
     add_health_arguments(health)
     health.set_defaults(func=cmd_health)
 
-    try:
-        from draftmesh import bench
-    except ImportError:  # pragma: no cover - bench is part of the package
-        bench = None
-    if bench is not None:
-        b = sub.add_parser("bench", help="benchmark methods side by side on a workload file")
-        bench.add_arguments(b)
-        b.set_defaults(func=cmd_bench)
+    b = sub.add_parser("bench", help="benchmark methods side by side on a workload file")
+    add_bench_arguments(b)
+    b.set_defaults(func=cmd_bench)
     return parser
 
 
@@ -262,7 +258,7 @@ def main(argv: list[str] | None = None) -> int:
 
         return worker_main(argv[1:])
     if argv[:1] == ["factcheck-bench"]:
-        from draftmesh.factcheck.bench import main as factcheck_bench_main
+        from draftmesh.bench.factcheck.cli import main as factcheck_bench_main
 
         return factcheck_bench_main(argv[1:])
     args = build_parser().parse_args(argv)

@@ -39,6 +39,19 @@ def bundled_redis_server() -> str | None:
     return bundled if bundled and os.access(bundled, os.X_OK) else None
 
 
+def server_version() -> str | None:
+    """The version of ``find_redis_server()``'s binary ("7.0.15"), None without one."""
+    server = find_redis_server()
+    if not server:
+        return None
+    try:
+        out = subprocess.run([server, "--version"], capture_output=True, text=True, timeout=10).stdout
+    except (OSError, subprocess.SubprocessError):
+        return None
+    words = out.split()
+    return words[2].removeprefix("v=") if len(words) > 2 else out.strip() or None
+
+
 def _die_with_parent() -> None:
     """In the child: get SIGTERM when our parent dies, even by SIGKILL, so a killed
     `draftmesh serve` or bench never leaves an orphan redis-server behind. (Linux sends it

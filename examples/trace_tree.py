@@ -16,7 +16,7 @@ import grpc
 
 from draftmesh.config import MeshConfig
 from draftmesh.net import free_port
-from draftmesh.otlp_sink import OtlpReceiver, ReceivedSpan
+from draftmesh.bench.otlp_receiver import OtlpReceiver, ReceivedSpan
 from draftmesh.v1 import generation_pb2 as pb
 from draftmesh.v1 import generation_pb2_grpc as pb_grpc
 

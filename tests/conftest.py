@@ -58,3 +58,13 @@ def clean_env(monkeypatch):
             monkeypatch.setenv(key, value)
 
     return apply
+
+
+@pytest.fixture
+def upstream():
+    """A fake Generation server (``fake_generation``): ("host:port", its servicer)."""
+    from fake_generation import start_fake_generation
+
+    server, addr, servicer = start_fake_generation()
+    yield addr, servicer
+    server.stop(0)

@@ -5,7 +5,6 @@ from __future__ import annotations
 from concurrent import futures
 
 import grpc
-import pytest
 
 from draftmesh.v1 import generation_pb2 as pb
 from draftmesh.v1 import generation_pb2_grpc as pb_grpc
@@ -64,12 +63,11 @@ class FakeGeneration(pb_grpc.GenerationServicer):
         return self._result(self._enter(request, context))
 
 
-@pytest.fixture
-def upstream():
+def start_fake_generation():
+    """(server, "host:port", servicer): a FakeGeneration on a free loopback port."""
     servicer = FakeGeneration()
     server = grpc.server(futures.ThreadPoolExecutor(max_workers=8))
     pb_grpc.add_GenerationServicer_to_server(servicer, server)
     port = server.add_insecure_port("127.0.0.1:0")
     server.start()
-    yield f"127.0.0.1:{port}", servicer
-    server.stop(0)
+    return server, f"127.0.0.1:{port}", servicer

@@ -6,12 +6,11 @@ import argparse
 import json
 import socket
 
-import grpc
 import pytest
 
 from draftmesh.cli.generate import add_generate_arguments, format_stats, run_generate_cli
 from draftmesh.v1 import generation_pb2 as pb
-from fake_generation import WORDS, upstream  # noqa: F401  (upstream: the fixture)
+from fake_generation import WORDS
 
 pytestmark = pytest.mark.timeout(60)
 

@@ -7,7 +7,7 @@ import pytest
 
 from draftmesh.client import MeshClient, build_request
 from draftmesh.v1 import generation_pb2 as pb
-from fake_generation import WORDS, upstream  # noqa: F401  (upstream: the fixture)
+from fake_generation import WORDS
 
 pytestmark = pytest.mark.timeout(60)
 

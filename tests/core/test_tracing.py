@@ -15,7 +15,7 @@ from opentelemetry import trace
 from opentelemetry.trace import NonRecordingSpan, SpanContext, TraceFlags
 
 from draftmesh import tracing
-from draftmesh.otlp_sink import OtlpReceiver
+from draftmesh.bench.otlp_receiver import OtlpReceiver
 
 TESTS_DIR = Path(__file__).resolve().parents[1]
 

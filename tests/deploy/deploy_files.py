@@ -661,7 +661,7 @@ def dispatch(argv: list[str], monkeypatch) -> tuple[str, Any]:
             monkeypatch.setattr(cli, name, lambda args, _n=name: seen.append((_n[4:].replace("_", "-"), args)) or 0)
     monkeypatch.setattr(worker, "main", lambda a: seen.append(("factcheck-worker", list(a))) or 0)
     try:
-        import draftmesh.factcheck.bench as fc_bench
+        import draftmesh.bench.factcheck.cli as fc_bench
 
         monkeypatch.setattr(fc_bench, "main", lambda a: seen.append(("factcheck-bench", list(a))) or 0)
     except ImportError:  # pragma: no cover

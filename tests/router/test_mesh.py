@@ -47,7 +47,7 @@ def external_source():
 @pytest.fixture(scope="session")
 def otlp():
     """The collector every part of the mesh exports its spans to (an in-process OTLP receiver)."""
-    from draftmesh.otlp_sink import OtlpReceiver
+    from draftmesh.bench.otlp_receiver import OtlpReceiver
 
     receiver = OtlpReceiver().start()
     yield receiver

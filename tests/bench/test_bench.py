@@ -10,22 +10,27 @@ import math
 
 import pytest
 
-from draftmesh import bench
-from draftmesh.bench import (
-    ItemResult,
-    ItemRun,
-    PreparedItem,
-    SourceStats,
+from draftmesh.bench.cli import add_arguments, check_target
+from draftmesh.bench.engine_report import BenchReport, format_report, report_to_json, write_plot
+from draftmesh.bench.fidelity import (
     check_identical,
+    edit_distance,
     first_difference,
-    geometric_mean,
-    parse_methods,
-    speedup_ratios,
-    summarize,
+    measure_fidelity,
+    mismatch_message,
+    top2_gap,
 )
+from draftmesh.bench.items import ItemResult, ItemRun, PreparedItem, SourceStats
+from draftmesh.bench.loop import execute, item_order
+from draftmesh.bench.mesh import MeshError, MeshRunner, make_mesh_runners
+from draftmesh.bench.methods import DEFAULT_MESH_METHODS, DEFAULT_METHODS, default_methods, parse_methods
+from draftmesh.bench.run import run
+from draftmesh.bench.runners import EngineRunner, make_runner
+from draftmesh.bench.stats import geometric_mean
+from draftmesh.bench.summary import mesh_summary, speedup_ratios, summarize
+from draftmesh.bench.workload import WorkItem
 from draftmesh.draft import registry
 from draftmesh.v1 import generation_pb2_grpc as pb_grpc
-from draftmesh.workload import WorkItem
 
 
 @pytest.fixture(scope="module")
@@ -56,7 +61,7 @@ def workload_file(tmp_path, n: int = 4, max_new_tokens: int = 10):
 
 def parse(argv):
     parser = argparse.ArgumentParser(prog="draftmesh bench")
-    bench.add_arguments(parser)
+    add_arguments(parser)
     return parser.parse_args(argv)
 
 
@@ -175,7 +180,7 @@ def test_a_different_output_is_flagged_never_passed():
     assert differs.identical_to_plain is False and differs.first_difference == 2 and differs.mismatch_repeat == 0
     assert late.identical_to_plain is False and late.first_difference == 3 and late.mismatch_repeat == 1
     assert late.stable is False and same.stable is True
-    msg = bench.mismatch_message(differs, plain.runs[0].token_ids)
+    msg = mismatch_message(differs, plain.runs[0].token_ids)
     assert "MISMATCH" in msg and "'a'" in msg and "'hf'" in msg and "token 2" in msg
     assert "plain has 7" in msg and "hf has 9" in msg
 
@@ -208,10 +213,10 @@ def prepared(target, n=3, max_new_tokens=8):
 
 
 def test_execute_warns_loudly_about_a_mismatch(tiny_llama):
-    plain = bench.EngineRunner("plain", tiny_llama, [])
-    broken = CorruptingRunner(bench.EngineRunner("x", tiny_llama, []))
+    plain = EngineRunner("plain", tiny_llama, [])
+    broken = CorruptingRunner(EngineRunner("x", tiny_llama, []))
     warnings = []
-    results = bench.execute(
+    results = execute(
         [plain, broken], prepared(tiny_llama), repeats=2, progress=False, warn=warnings.append,
         tokenizer=tiny_llama.tokenizer,
     )
@@ -240,7 +245,7 @@ def test_execute_interleaves_item_by_item_and_resets_each_repeat():
 
     runners = [Recorder("plain"), Recorder("a"), Recorder("b")]
     items = [PreparedItem(WorkItem(f"i{i}", "k", 4), (1, 2), 4) for i in range(2)]
-    results = bench.execute(runners, items, repeats=2, progress=False)
+    results = execute(runners, items, repeats=2, progress=False)
     runs = [e for e in log if e[0] != "reset"]
     warm, timed = runs[:3], runs[3:]
     assert [n for _, n in warm] == ["plain", "a", "b"]
@@ -255,7 +260,7 @@ def test_top2_gap_matches_a_manual_forward(tiny_llama):
     import torch
 
     prompt, prefix = [3, 4, 5, 6], [7, 8]
-    gap = bench.top2_gap(tiny_llama, prompt, prefix)
+    gap = top2_gap(tiny_llama, prompt, prefix)
     with torch.no_grad():
         logits = tiny_llama.model(input_ids=torch.tensor([prompt + prefix])).logits[0, -1]
     top = torch.sort(logits, descending=True).values
@@ -303,19 +308,19 @@ def test_report_json_table_and_plot_are_pure_functions_of_the_runs(tmp_path):
     ]
     check_identical(results)
     results[2].mismatch_top2_gap = 0.0123
-    report = bench.BenchReport("m", 2, 1, results, skipped={"hf-assist": "no --assistant given"})
-    data = json.loads(json.dumps(bench.report_to_json(report)))
+    report = BenchReport("m", 2, 1, results, skipped={"hf-assist": "no --assistant given"})
+    data = json.loads(json.dumps(report_to_json(report)))
     check_json_shape(data, ["plain", "hf", "draftmesh"], ["g"])
     assert data["mismatches"] == [
         {"id": "a", "method": "draftmesh", "first_difference": 2, "repeat": 0, "mismatch_top2_gap": 0.0123}
     ]
     assert data["skipped"] == {"hf-assist": "no --assistant given"}
-    text = bench.format_report(report)
+    text = format_report(report)
     assert "hf-assist: skipped" in text
     assert "!!!" in text and "first difference at token 2" in text
     assert "3/6 50%" in text  # acceptance: accepted / proposed tokens
     png = tmp_path / "p.png"
-    bench.write_plot(report, png)
+    write_plot(report, png)
     assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
 
 
@@ -327,7 +332,7 @@ def test_run_end_to_end_on_a_tiny_model(tmp_path, tiny_llama, capsys):
         "--repeats", "2", "--threads", "1", "--json", str(out_json), "--plot", str(out_png), "--no-progress",
     ])
     args.model = tiny_llama
-    assert bench.run(args) == 0
+    assert run(args) == 0
     printed = capsys.readouterr().out
     for method in ("plain", "hf", "hf-pld", "draftmesh"):
         assert method in printed
@@ -356,27 +361,27 @@ def test_hf_assist_runs_with_an_injected_assistant(tmp_path, tiny_llama):
         "--threads", "1", "--json", str(out_json), "--no-progress", "--no-cost-curve",
     ])
     args.model, args.assistant = tiny_llama, tiny_target("llama", seed=1)
-    assert bench.run(args) == 0
+    assert run(args) == 0
     data = json.loads(out_json.read_text())
     assert data["methods"] == ["plain", "hf-assist"] and data["skipped"] == {}
     assert all(r["identical_to_plain"] is True for r in data["items"] if r["method"] == "hf-assist")
 
 
 def test_run_exits_1_and_records_a_mismatch(tmp_path, tiny_llama, monkeypatch, capsys):
-    real = bench.make_runner
+    import draftmesh.bench.run as bench_run
 
-    def make_runner(method, target, **kwargs):
-        runner = real(method, target, **kwargs)
+    def corrupting(method, target, **kwargs):
+        runner = make_runner(method, target, **kwargs)
         return CorruptingRunner(runner, name=method.name, at=2) if method.name == "draftmesh" else runner
 
-    monkeypatch.setattr(bench, "make_runner", make_runner)
+    monkeypatch.setattr(bench_run, "make_runner", corrupting)
     out_json = tmp_path / "out.json"
     args = parse([
         "--workload", str(workload_file(tmp_path, n=2)), "--methods", "plain,draftmesh", "--repeats", "1",
         "--threads", "1", "--json", str(out_json), "--no-progress", "--no-cost-curve",
     ])
     args.model = tiny_llama
-    assert bench.run(args) == 1
+    assert run(args) == 1
     captured = capsys.readouterr()
     assert "OUTPUT MISMATCH: item 'item-0' method 'draftmesh' differs from plain at token 2" in captured.err
     assert "!!! 2 OUTPUT MISMATCH(ES)" in captured.out
@@ -396,7 +401,7 @@ def test_run_exits_1_and_records_a_mismatch(tmp_path, tiny_llama, monkeypatch, c
 def test_run_rejects_bad_methods(tmp_path, tiny_llama, capsys, argv, needle):
     args = parse(["--workload", str(workload_file(tmp_path, n=1)), *argv])
     args.model = tiny_llama
-    assert bench.run(args) == 2
+    assert run(args) == 2
     assert needle in capsys.readouterr().err
 
 
@@ -405,7 +410,7 @@ def test_run_reports_a_bad_workload_with_line_numbers(tmp_path, tiny_llama, caps
     path.write_text('{"id": "a", "kind": "open", "prompt": "w3", "max_new_tokens": 4}\n{"id": "a"}\n')
     args = parse(["--workload", str(path)])
     args.model = tiny_llama
-    assert bench.run(args) == 2
+    assert run(args) == 2
     err = capsys.readouterr().err
     assert "line 2: missing 'kind'" in err and "line 2: duplicate id 'a' (first on line 1)" in err
 
@@ -416,7 +421,7 @@ def test_run_reports_items_that_do_not_fit_the_model(tmp_path, tiny_llama, capsy
     path.write_text(json.dumps({"id": "long", "kind": "open", "prompt": long_prompt, "max_new_tokens": 10}) + "\n")
     args = parse(["--workload", str(path), "--no-progress"])
     args.model = tiny_llama
-    assert bench.run(args) == 2
+    assert run(args) == 2
     err = capsys.readouterr().err
     assert "item 'long' (line 1): prompt 250 + max_new_tokens 10 tokens exceeds the model context of 256" in err
 
@@ -429,7 +434,7 @@ def test_limit_and_max_new_tokens_override(tmp_path, tiny_llama):
         "--no-cost-curve",
     ])
     args.model = tiny_llama
-    assert bench.run(args) == 0
+    assert run(args) == 0
     data = json.loads(out_json.read_text())
     assert [r["id"] for r in data["items"]] == ["item-0", "item-1"]
     assert all(r["new_tokens"] <= 3 for r in data["items"])
@@ -464,7 +469,7 @@ def fake_source(monkeypatch):
 
 
 def test_engine_runner_counts_proposed_tokens_per_source(tiny_llama, fake_source):
-    runner = bench.EngineRunner("draftmesh:fake", tiny_llama, ["fake"])
+    runner = EngineRunner("draftmesh:fake", tiny_llama, ["fake"])
     item = prepared(tiny_llama, n=1, max_new_tokens=6)[0]
     run = runner.run(item)
     stats = run.sources["fake"]
@@ -477,16 +482,15 @@ def test_engine_runner_counts_proposed_tokens_per_source(tiny_llama, fake_source
 
 
 def test_each_repeat_starts_from_fresh_sources(tiny_llama, fake_source):
-    plain = bench.EngineRunner("plain", tiny_llama, [])
-    fake = bench.EngineRunner("draftmesh:fake", tiny_llama, ["fake"])
+    plain = EngineRunner("plain", tiny_llama, [])
+    fake = EngineRunner("draftmesh:fake", tiny_llama, ["fake"])
     items = prepared(tiny_llama, n=2, max_new_tokens=4)
-    bench.execute([plain, fake], items, repeats=2, progress=False)
+    execute([plain, fake], items, repeats=2, progress=False)
     # one source for the warm-up, then one per repeat, each seeing only its own pass
     assert [s.finished for s in FakeSource.instances] == [["i0"], ["i0", "i1"], ["i0", "i1"]]
 
 
 def test_policy_methods_parse_and_are_marked_lossy():
-    from draftmesh.bench import parse_methods
 
     methods = {m.name: m for m in parse_methods("draftmesh+typical,draftmesh:history+block,draftmesh", available=["history"], defaults=["history"])}
     assert methods["draftmesh+typical"].policy == "typical" and not methods["draftmesh+typical"].lossless
@@ -499,7 +503,6 @@ def test_policy_methods_parse_and_are_marked_lossy():
 
 
 def test_edit_distance_and_fidelity():
-    from draftmesh.bench import ItemResult, ItemRun, edit_distance, measure_fidelity
 
     assert edit_distance([1, 2, 3], [1, 2, 3]) == 0
     assert edit_distance([1, 2, 3], [1, 3]) == 1
@@ -526,18 +529,18 @@ def test_parse_mesh_methods():
     with pytest.raises(ValueError, match="draftmesh methods only"):
         parse_methods("mesh:draftmesh+typical", available=["history"], defaults=["history"])
     with pytest.raises(ValueError, match="use make_mesh_runners"):
-        bench.make_runner(mesh["mesh:plain"], None)
+        make_runner(mesh["mesh:plain"], None)
 
 
 def test_default_methods_follow_the_target():
     args = parse(["--workload", "w.jsonl", "--target", "mesh"])
     assert args.target == "mesh" and args.methods is None and args.addr is None
-    text = bench.default_methods(args.target, args.methods)
-    assert text == bench.DEFAULT_MESH_METHODS
+    text = default_methods(args.target, args.methods)
+    assert text == DEFAULT_MESH_METHODS
     assert [m.name for m in parse_methods(text)] == ["plain", "draftmesh", "mesh:plain", "mesh:draftmesh"]
     local = parse(["--workload", "w.jsonl"])
-    assert local.target == "local" and bench.default_methods(local.target, local.methods) == bench.DEFAULT_METHODS
-    assert bench.default_methods("mesh", "plain,mesh:plain") == "plain,mesh:plain"  # an explicit list wins
+    assert local.target == "local" and default_methods(local.target, local.methods) == DEFAULT_METHODS
+    assert default_methods("mesh", "plain,mesh:plain") == "plain,mesh:plain"  # an explicit list wins
     with pytest.raises(SystemExit):
         parse(["--workload", "w.jsonl", "--target", "cloud"])
 
@@ -545,16 +548,16 @@ def test_default_methods_follow_the_target():
 def test_check_target_rejects_flags_that_do_not_fit():
     local = parse_methods("plain,draftmesh")
     mesh = parse_methods("plain,mesh:plain")
-    bench.check_target("local", local)
-    bench.check_target("mesh", mesh, addr="h:1", tls_ca="ca.pem")
+    check_target("local", local)
+    check_target("mesh", mesh, addr="h:1", tls_ca="ca.pem")
     with pytest.raises(ValueError, match="mesh:plain run through the mesh: add --target mesh"):
-        bench.check_target("local", mesh)
+        check_target("local", mesh)
     with pytest.raises(ValueError, match="--addr and --tls-ca need --target mesh"):
-        bench.check_target("local", local, addr="h:1")
+        check_target("local", local, addr="h:1")
     with pytest.raises(ValueError, match="needs a mesh method"):
-        bench.check_target("mesh", local)
+        check_target("mesh", local)
     with pytest.raises(ValueError, match="--tls-ca applies to a mesh given with --addr"):
-        bench.check_target("mesh", mesh, tls_ca="ca.pem")
+        check_target("mesh", mesh, tls_ca="ca.pem")
 
 
 @pytest.mark.parametrize(
@@ -575,7 +578,7 @@ def test_run_rejects_bad_mesh_setups(tmp_path, tiny_llama, capsys, argv, needle)
     argv = [a.format(closed=closed) for a in argv]
     args = parse(["--workload", str(workload_file(tmp_path)), "--no-progress", *argv])
     args.model = tiny_llama
-    assert bench.run(args) == 2
+    assert run(args) == 2
     assert needle in capsys.readouterr().err
 
 
@@ -585,7 +588,7 @@ def test_item_order_runs_mesh_plain_after_mesh_draftmesh():
             self.name, self.run_after = name, run_after
 
     runners = [R("plain"), R("draftmesh"), R("mesh:plain", run_after="mesh:draftmesh"), R("mesh:draftmesh")]
-    orders = [[r.name for r in bench.item_order(runners, shift)] for shift in range(4)]
+    orders = [[r.name for r in item_order(runners, shift)] for shift in range(4)]
     assert orders == [
         ["plain", "draftmesh", "mesh:draftmesh", "mesh:plain"],
         ["draftmesh", "mesh:draftmesh", "mesh:plain", "plain"],
@@ -596,7 +599,7 @@ def test_item_order_runs_mesh_plain_after_mesh_draftmesh():
         assert order.index("mesh:draftmesh") < order.index("mesh:plain")
     # without the constraint it is the plain rotation
     plain_rotation = [R("plain"), R("a"), R("b")]
-    assert [r.name for r in bench.item_order(plain_rotation, 1)] == ["a", "b", "plain"]
+    assert [r.name for r in item_order(plain_rotation, 1)] == ["a", "b", "plain"]
 
 
 def mesh_pair_results():
@@ -626,7 +629,7 @@ def mesh_pair_results():
 def test_mesh_summary_maths():
     results = mesh_pair_results()
     check_identical(results)
-    pairs = bench.mesh_summary(results)
+    pairs = mesh_summary(results)
     assert list(pairs) == ["mesh:draftmesh", "mesh:plain"]
     dm, pl = pairs["mesh:draftmesh"], pairs["mesh:plain"]
     assert dm["reference"] == "draftmesh" and pl["reference"] == "plain"
@@ -650,8 +653,8 @@ def test_mesh_summary_maths():
     assert dm["mean_accepted_per_step"] == {"mesh": pytest.approx(2.0), "local": pytest.approx(1.5)}
     # only pairs whose mesh method ran
     only_plain = [r for r in results if r.method != "mesh:draftmesh"]
-    assert list(bench.mesh_summary(only_plain)) == ["mesh:plain"]
-    assert bench.mesh_summary([r for r in results if not r.method.startswith("mesh:")]) == {}
+    assert list(mesh_summary(only_plain)) == ["mesh:plain"]
+    assert mesh_summary([r for r in results if not r.method.startswith("mesh:")]) == {}
 
 
 def test_mesh_report_json_and_table(tmp_path):
@@ -659,24 +662,24 @@ def test_mesh_report_json_and_table(tmp_path):
     check_identical(results)
     info = {"address": "localhost:1", "started_by_bench": True, "started_s": 12.5, "mesh_state_reset": True,
             "memory": {"rss_mb": 2048.0, "pss_mb": 1024.0, "processes": 12}}
-    report = bench.BenchReport("m", 2, 1, results, mesh=info)
-    data = json.loads(json.dumps(bench.report_to_json(report)))
+    report = BenchReport("m", 2, 1, results, mesh=info)
+    data = json.loads(json.dumps(report_to_json(report)))
     assert data["mesh"]["started_s"] == 12.5 and data["mesh"]["memory"]["rss_mb"] == 2048.0
     assert set(data["mesh"]["pairs"]) == {"mesh:draftmesh", "mesh:plain"}
     recs = {(r["id"], r["method"]): r for r in data["items"]}
     assert recs[("a", "mesh:draftmesh")]["first_token_ms"] == pytest.approx(300.0)
     assert recs[("a", "plain")]["first_token_ms"] == pytest.approx(100.0)
     assert data["summary"]["mesh:draftmesh"]["all"]["first_token_ms"] == pytest.approx(200.0)
-    text = bench.format_report(report)
+    text = format_report(report)
     assert "mesh vs in-process (mesh started in 12.5s; mesh memory RSS 2.00 GiB, PSS 1.00 GiB in 12 processes)" in text
     row = next(line for line in text.splitlines() if line.startswith("mesh:draftmesh  draftmesh"))
     assert "1.29x" in row and "200.0 / 220.0" in row and "-40.00" in row
     # without mesh methods: no "mesh" key, no mesh table
-    local = bench.BenchReport("m", 2, 1, [r for r in results if not r.method.startswith("mesh:")])
-    assert "mesh" not in bench.report_to_json(local) and "mesh vs in-process" not in bench.format_report(local)
+    local = BenchReport("m", 2, 1, [r for r in results if not r.method.startswith("mesh:")])
+    assert "mesh" not in report_to_json(local) and "mesh vs in-process" not in format_report(local)
     # a mesh the bench did not start
     info = {"address": "h:9", "started_by_bench": False, "mesh_state_reset": False}
-    text = bench.format_report(bench.BenchReport("m", 2, 1, results, mesh=info))
+    text = format_report(BenchReport("m", 2, 1, results, mesh=info))
     assert "mesh at h:9; mesh state NOT reset between passes" in text
 
 
@@ -747,8 +750,8 @@ def test_mesh_runner_builds_requests_from_work_items():
     servicer = ScriptedGeneration(pause=0.0)
     messages = ({"role": "system", "content": "Be brief."}, {"role": "user", "content": "Hi"})
     with serve_generation(servicer) as addr, MeshClient(addr) as client:
-        dm = bench.MeshRunner("mesh:draftmesh", client, speculate=True, max_nodes=7)
-        pl = bench.MeshRunner("mesh:plain", client, speculate=False, session_suffix="#p")
+        dm = MeshRunner("mesh:draftmesh", client, speculate=True, max_nodes=7)
+        pl = MeshRunner("mesh:plain", client, speculate=False, session_suffix="#p")
         dm.run(work_item(messages=messages, corpus=("doc one", "doc two"), session="chat-1", max_new_tokens=3))
         pl.run(work_item(prompt="w2 w3 w4", session="chat-1", max_new_tokens=5))
         pl.run(work_item(prompt="w2 w3 w4"))
@@ -770,7 +773,7 @@ def test_mesh_runner_timing_steps_and_stats():
 
     servicer = ScriptedGeneration(groups=((5, 6), (7,)), pause=0.05)
     with serve_generation(servicer) as addr, MeshClient(addr) as client:
-        runner = bench.MeshRunner("mesh:draftmesh", client)
+        runner = MeshRunner("mesh:draftmesh", client)
         run = runner.run(work_item(prompt="w2"))
     assert run.method == "mesh:draftmesh" and run.item_id == "it"
     assert run.token_ids == [5, 6, 7] and run.text == "w5 w6 w7"
@@ -788,21 +791,21 @@ def test_mesh_runner_checks_the_prompt_tokens_and_reports_rpc_errors():
     from draftmesh.client import MeshClient
 
     with serve_generation(ScriptedGeneration(prompt_tokens=11, pause=0.0)) as addr, MeshClient(addr) as client:
-        runner = bench.MeshRunner("mesh:plain", client, speculate=False)
-        with pytest.raises(bench.MeshError, match=r"rendered the raw prompt text to 11 prompt tokens, the bench to 12"):
+        runner = MeshRunner("mesh:plain", client, speculate=False)
+        with pytest.raises(MeshError, match=r"rendered the raw prompt text to 11 prompt tokens, the bench to 12"):
             runner.run(work_item(prompt="w2"))
-        with pytest.raises(bench.MeshError, match="chat messages"):
+        with pytest.raises(MeshError, match="chat messages"):
             runner.run(work_item(messages=({"role": "user", "content": "hi"},)))
     with serve_generation(ScriptedGeneration(abort="prompt: too long")) as addr, MeshClient(addr) as client:
-        with pytest.raises(bench.MeshError, match="mesh:plain: item 'it'.*INVALID_ARGUMENT: prompt: too long"):
-            bench.MeshRunner("mesh:plain", client, speculate=False).run(work_item(prompt="w2"))
+        with pytest.raises(MeshError, match="mesh:plain: item 'it'.*INVALID_ARGUMENT: prompt: too long"):
+            MeshRunner("mesh:plain", client, speculate=False).run(work_item(prompt="w2"))
 
 
 def test_mesh_runner_reset_calls_the_resetter_and_runners_share_one_client():
     calls = []
     methods = parse_methods("mesh:plain,mesh:draftmesh", available=["history"], defaults=["history"])
     client = object()
-    runners = bench.make_mesh_runners(methods, client, resetter=lambda: calls.append(1), max_nodes=9)
+    runners = make_mesh_runners(methods, client, resetter=lambda: calls.append(1), max_nodes=9)
     assert [r.name for r in runners] == ["mesh:plain", "mesh:draftmesh"]
     pl, dm = runners
     assert pl.client is dm.client is client
@@ -812,8 +815,8 @@ def test_mesh_runner_reset_calls_the_resetter_and_runners_share_one_client():
     for r in runners:
         r.reset()
     assert calls == [1, 1]
-    bench.MeshRunner("mesh:plain", client).reset()  # no resetter: nothing to do (a mesh not ours)
-    alone = bench.make_mesh_runners(methods[:2], client)
+    MeshRunner("mesh:plain", client).reset()  # no resetter: nothing to do (a mesh not ours)
+    alone = make_mesh_runners(methods[:2], client)
     assert alone[0].run_after is None  # no mesh:draftmesh to wait for
 
 
@@ -867,7 +870,7 @@ def test_run_target_mesh_with_addr_end_to_end_on_a_tiny_model(tmp_path, tiny_lla
             "--repeats", "2", "--threads", "1", "--json", str(out_json), "--no-progress", "--no-cost-curve",
         ])
         args.model = tiny_llama
-        assert bench.run(args) == 0
+        assert run(args) == 0
     captured = capsys.readouterr()
     assert "not started by the bench" in captured.err and "carries over between passes" in captured.err
     assert "mesh vs in-process (mesh at " in captured.out
@@ -892,13 +895,13 @@ def test_run_target_mesh_with_addr_end_to_end_on_a_tiny_model(tmp_path, tiny_lla
 
 
 def test_the_traced_method_exports_spans_only_during_its_own_runs(tmp_path, tiny_llama, capsys):
-    (traced,) = [m for m in bench.parse_methods("draftmesh,draftmesh-traced") if m.traced]
+    (traced,) = [m for m in parse_methods("draftmesh,draftmesh-traced") if m.traced]
     assert traced.name == "draftmesh-traced" and traced.sources is None and traced.lossless
     args = parse(["--workload", str(workload_file(tmp_path)), "--methods", "draftmesh,draftmesh-traced",
                   "--repeats", "1", "--threads", "1", "--no-progress", "--json", str(tmp_path / "o.json")])
     args.model = tiny_llama
-    assert bench.run(args) == 0  # identical outputs: tracing changes nothing
-    from draftmesh.bench_tracing import tracing_switch
+    assert run(args) == 0  # identical outputs: tracing changes nothing
+    from draftmesh.bench.tracing import tracing_switch
 
     switch = tracing_switch()
     exported = switch.exported()
@@ -908,5 +911,5 @@ def test_the_traced_method_exports_spans_only_during_its_own_runs(tmp_path, tiny
     assert exported >= 2 * traced_steps * 3 > 0
     assert f"{exported} spans exported" in capsys.readouterr().out
     assert not switch.on
-    bench.EngineRunner("draftmesh", tiny_llama, None).run(prepared(tiny_llama, n=1, max_new_tokens=4)[0])
+    EngineRunner("draftmesh", tiny_llama, None).run(prepared(tiny_llama, n=1, max_new_tokens=4)[0])
     assert switch.exported() == exported  # an untraced run, with the switch installed: nothing

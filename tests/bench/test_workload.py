@@ -8,7 +8,7 @@ from pathlib import Path
 
 import pytest
 
-from draftmesh.workload import WorkItem, WorkloadError, load_workload, parse_workload, render_prompt_ids
+from draftmesh.bench.workload import WorkItem, WorkloadError, load_workload, parse_workload, render_prompt_ids
 
 PUBLIC = Path(__file__).resolve().parents[2] / "bench" / "public.jsonl"
 

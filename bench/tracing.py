@@ -14,6 +14,12 @@ import threading
 from typing import Any, Iterator
 
 from opentelemetry import trace
+from opentelemetry.exporter.otlp.proto.grpc.trace_exporter import OTLPSpanExporter
+from opentelemetry.sdk.resources import Resource
+from opentelemetry.sdk.trace import TracerProvider
+from opentelemetry.sdk.trace.export import BatchSpanProcessor
+
+from draftmesh.bench.otlp_receiver import OtlpReceiver
 
 _NOOP = trace.NoOpTracer()
 
@@ -85,13 +91,6 @@ def tracing_switch() -> TracingSwitch:
     global _switch
     with _lock:
         if _switch is None:
-            from opentelemetry.exporter.otlp.proto.grpc.trace_exporter import OTLPSpanExporter
-            from opentelemetry.sdk.resources import Resource
-            from opentelemetry.sdk.trace import TracerProvider
-            from opentelemetry.sdk.trace.export import BatchSpanProcessor
-
-            from draftmesh.otlp_sink import OtlpReceiver
-
             sink = OtlpReceiver(keep=False).start()
             provider = TracerProvider(resource=Resource.create({"service.name": "draftmesh-bench"}))
             provider.add_span_processor(BatchSpanProcessor(OTLPSpanExporter(endpoint=sink.endpoint, insecure=True)))

@@ -9,24 +9,28 @@ import sys
 
 import pytest
 
-from draftmesh.factcheck import bench
+from draftmesh.bench.factcheck.cli import EXIT_OK, EXIT_USAGE, build_parser, main
+from draftmesh.bench.factcheck.generation import select_items
+from draftmesh.bench.factcheck.spans import WINDOW_WORDS, SpanMaker, read_sentences
+from draftmesh.bench.report import command_line
+from draftmesh.bench.stats import distribution, geometric_mean, percentile
 from draftmesh.redis_server import find_redis_server
 
 
 def test_percentiles_and_summary():
-    assert bench.percentile([], 50) is None
-    assert bench.percentile([3.0], 95) == 3.0
-    assert bench.percentile([1, 2, 3, 4], 50) == 2.5
-    assert bench.percentile(list(range(101)), 95) == pytest.approx(95.0)
-    s = bench.summarize([4.0, 1.0, 2.0, 3.0])
+    assert percentile([], 50) is None
+    assert percentile([3.0], 95) == 3.0
+    assert percentile([1, 2, 3, 4], 50) == 2.5
+    assert percentile(list(range(101)), 95) == pytest.approx(95.0)
+    s = distribution([4.0, 1.0, 2.0, 3.0])
     assert s["n"] == 4 and s["min"] == 1.0 and s["max"] == 4.0 and s["p50"] <= s["p95"] <= s["max"]
-    assert bench.summarize([])["p50"] is None
-    assert bench.geomean([2.0, 8.0]) == pytest.approx(4.0)
+    assert distribution([])["p50"] is None
+    assert geometric_mean([2.0, 8.0]) == pytest.approx(4.0)
 
 
 def test_spans_are_distinct_draft_like_and_reproducible():
-    sentences = bench.read_sentences()
-    maker = bench.SpanMaker(sentences, seed=1)
+    sentences = read_sentences()
+    maker = SpanMaker(sentences, seed=1)
     drafts = maker.drafts(30)
     outputs = [maker.output(500) for _ in range(2)]
     texts = [s.text for s in drafts + outputs]
@@ -34,10 +38,10 @@ def test_spans_are_distinct_draft_like_and_reproducible():
     assert [s.category for s in drafts].count("sentence") == 10
     for span in drafts:
         if span.category == "window":
-            assert bench.WINDOW_WORDS[0] <= len(span.text.split()) <= bench.WINDOW_WORDS[1]
+            assert WINDOW_WORDS[0] <= len(span.text.split()) <= WINDOW_WORDS[1]
             assert span.text.startswith(" ") and span.entry().kind == "draft"
     assert all(len(s.text) >= 500 and s.entry().kind == "output" for s in outputs)
-    assert [s.text for s in bench.SpanMaker(sentences, seed=1).drafts(30)] == texts[:30]
+    assert [s.text for s in SpanMaker(sentences, seed=1).drafts(30)] == texts[:30]
 
 
 def test_select_items_takes_one_per_kind_first():
@@ -46,12 +50,12 @@ def test_select_items_takes_one_per_kind_first():
             self.id, self.kind = id, kind
 
     items = [Item("g1", "grounded"), Item("g2", "grounded"), Item("r1", "rag"), Item("o1", "open")]
-    assert [i.id for i in bench.select_items(items, 3)] == ["g1", "r1", "o1"]
-    assert [i.id for i in bench.select_items(items, 10)] == ["g1", "r1", "o1", "g2"]
+    assert [i.id for i in select_items(items, 3)] == ["g1", "r1", "o1"]
+    assert [i.id for i in select_items(items, 10)] == ["g1", "r1", "o1", "g2"]
 
 
 def test_arguments():
-    parser = bench.build_parser()
+    parser = build_parser()
     args = parser.parse_args([])
     assert args.backends == ["spacy", "flair"] and args.policy == "typical" and args.threads == 2
     assert args.repeats >= 1 and args.items >= 1 and args.output_wait_s > 0
@@ -60,12 +64,12 @@ def test_arguments():
     for bad in (["--backends", "bert"], ["--spans", "0"], ["--repeats", "-1"], ["--output-wait-s", "0"]):
         with pytest.raises(SystemExit):
             parser.parse_args(bad)
-    assert bench.main(["--no-annotation", "--no-generation"]) == bench.EXIT_USAGE
-    assert bench.main(["--no-annotation", "--policy", "nonsense"]) == bench.EXIT_USAGE
+    assert main(["--no-annotation", "--no-generation"]) == EXIT_USAGE
+    assert main(["--no-annotation", "--policy", "nonsense"]) == EXIT_USAGE
 
 
 def test_command_line_names_the_bench():
-    assert bench.command_line(["--spans", "5"]) == "draftmesh factcheck-bench --spans 5"
+    assert command_line("draftmesh factcheck-bench", ["--spans", "5"]) == "draftmesh factcheck-bench --spans 5"
 
 
 @pytest.mark.timeout(120)
@@ -75,7 +79,7 @@ def test_spacy_latency_and_throughput_report(tmp_path, capsys):
     out = tmp_path / "fc.json"
     argv = ["--backends", "spacy", "--spans", "5", "--outputs", "1", "--output-chars", "400", "--throughput-spans", "6",
             "--warmup", "1", "--no-generation", "--worker-python", sys.executable, "--json", str(out)]
-    assert bench.main(argv) == bench.EXIT_OK
+    assert main(argv) == EXIT_OK
     printed = capsys.readouterr().out
     report = json.loads(out.read_text())
 

@@ -1,0 +1,94 @@
+"""The flags of `draftmesh bench` and their checks. Importing this is cheap (no torch): every
+`draftmesh` command builds its parser from it; the run itself is ``draftmesh.bench.run``."""
+
+from __future__ import annotations
+
+import argparse
+import sys
+from typing import Sequence
+
+from draftmesh.bench.arguments import positive_int
+from draftmesh.bench.methods import (
+    DEFAULT_MESH_METHODS,
+    DEFAULT_METHODS,
+    MESH_METHODS,
+    Method,
+)
+
+TARGETS = ("local", "mesh")
+
+EXIT_OK, EXIT_MISMATCH, EXIT_USAGE = 0, 1, 2
+EXIT_INTERRUPTED = 130
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--workload", required=True, metavar="FILE.jsonl", help="workload file (JSON lines)")
+    parser.add_argument("--model", default="smollm2-135m", metavar="SPEC", help="target model (default: %(default)s)")
+    parser.add_argument(
+        "--methods",
+        default=None,
+        metavar="LIST",
+        help="comma-separated: plain, hf, hf-pld, hf-assist, draftmesh, draftmesh:<source> (one source alone), "
+        "draftmesh:* (each default source alone), draftmesh+<policy> or draftmesh:<source>+<policy> "
+        "(a lossy acceptance policy: typical, nkl, block, semantic), mesh:plain, mesh:draftmesh (through the "
+        f"mesh, with --target mesh); plain is always run (default: {DEFAULT_METHODS}; with --target mesh: "
+        f"{DEFAULT_MESH_METHODS})",
+    )
+    parser.add_argument(
+        "--target", choices=TARGETS, default="local",
+        help="local: in-process methods only; mesh: also run the mesh:* methods through a served mesh "
+        "(--addr, or a local mesh the bench starts and stops) (default: %(default)s)",
+    )
+    parser.add_argument(
+        "--addr", metavar="HOST:PORT", default=None,
+        help="with --target mesh: an already running mesh (its learned state is not reset between passes); "
+        "default: start a local mesh for the run",
+    )
+    parser.add_argument(
+        "--api-key", default=None, help="with --addr: API key sent as a bearer token (default: $DRAFTMESH_API_KEY)"
+    )
+    parser.add_argument("--tls-ca", metavar="FILE", default=None, help="with --addr: PEM CA/certificate to trust; enables TLS")
+    parser.add_argument("--assistant", metavar="SPEC", default=None, help="assistant model for hf-assist")
+    parser.add_argument(
+        "--repeats", type=positive_int, default=3, metavar="N",
+        help="passes over the workload; the median time per item and method is kept (default: %(default)s)",
+    )
+    parser.add_argument(
+        "--threads", type=positive_int, default=None, metavar="T",
+        help="torch threads for every method (default: torch's current setting)",
+    )
+    parser.add_argument("--json", metavar="OUT.json", default=None, help="write the full results as JSON")
+    parser.add_argument("--plot", metavar="OUT.png", default=None, help="write a PNG chart (needs matplotlib)")
+    parser.add_argument("--limit", type=positive_int, default=None, metavar="N", help="only the first N items")
+    parser.add_argument(
+        "--max-new-tokens", type=positive_int, default=None, metavar="N",
+        help="replace every item's max_new_tokens with N",
+    )
+    parser.add_argument(
+        "--max-nodes", type=positive_int, default=None, metavar="N",
+        help="draft tree size cap for draftmesh methods (default: the engine's)",
+    )
+    parser.add_argument("--no-cost-curve", action="store_true", help="skip measuring the target's cost curve")
+    parser.add_argument("--no-progress", action="store_true", help="no progress bar")
+
+
+def _error(msg: str) -> int:
+    print(f"draftmesh bench: error: {msg}", file=sys.stderr)
+    return EXIT_USAGE
+
+
+def check_target(target_kind: str, methods: Sequence[Method], *, addr: str | None = None,
+                 tls_ca: str | None = None) -> None:
+    """ValueError for a --target that does not fit the methods or the mesh flags."""
+    if target_kind not in TARGETS:
+        raise ValueError(f"--target must be one of {', '.join(TARGETS)}, got {target_kind!r}")
+    mesh = [m.name for m in methods if m.family == "mesh"]
+    if target_kind != "mesh":
+        if mesh:
+            raise ValueError(f"method(s) {', '.join(mesh)} run through the mesh: add --target mesh")
+        if addr or tls_ca:
+            raise ValueError("--addr and --tls-ca need --target mesh")
+    elif not mesh:
+        raise ValueError(f"--target mesh needs a mesh method in --methods ({', '.join(MESH_METHODS)})")
+    if tls_ca and not addr:
+        raise ValueError("--tls-ca applies to a mesh given with --addr")

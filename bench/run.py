@@ -1,0 +1,159 @@
+"""`draftmesh bench`: run the methods side by side on a workload, print and write the report.
+
+See the package docstring for how a run is made, ``docs/bench.md`` for its use."""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import sys
+from datetime import datetime, timezone
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from draftmesh.bench.cli import (
+    EXIT_INTERRUPTED,
+    EXIT_MISMATCH,
+    EXIT_OK,
+    _error,
+    check_target,
+)
+from draftmesh.bench.engine_report import (
+    BenchReport,
+    format_report,
+    report_to_json,
+    write_plot,
+)
+from draftmesh.bench.fidelity import measure_fidelity, top2_gap
+from draftmesh.bench.items import prepare_items
+from draftmesh.bench.loop import execute
+from draftmesh.bench.mesh import MeshError, open_mesh
+from draftmesh.bench.methods import HF_ASSIST, PLAIN, default_methods, parse_methods
+from draftmesh.bench.report import command_line, machine_info, write_json
+from draftmesh.bench.runners import load_target_spec, make_runner
+from draftmesh.bench.tracing import noop_step_cost_us
+from draftmesh.bench.workload import WorkloadError, load_workload
+
+
+def run(args: argparse.Namespace) -> int:
+    """Run the benchmark described by ``args`` (see ``add_arguments``); return the exit status.
+
+    ``args.model`` (and ``args.assistant``) may be a model spec or an already-loaded
+    ``TorchTarget``, so tests and callers can inject a model.
+    """
+    opt = lambda name, default=None: getattr(args, name, default)  # noqa: E731 - Namespaces built by hand
+    target_kind = opt("target") or "local"
+    try:
+        items = load_workload(args.workload)
+        methods = parse_methods(default_methods(target_kind, opt("methods")))
+        check_target(target_kind, methods, addr=opt("addr"), tls_ca=opt("tls_ca"))
+    except (WorkloadError, ValueError) as exc:
+        return _error(str(exc))
+    mesh_methods = [m for m in methods if m.family == "mesh"]
+    tls_ca = None
+    if opt("tls_ca"):
+        try:
+            tls_ca = Path(opt("tls_ca")).expanduser().read_bytes()
+        except OSError as exc:
+            return _error(f"--tls-ca: cannot read {opt('tls_ca')}: {exc.strerror or exc}")
+    if opt("limit"):
+        items = items[: opt("limit")]
+    repeats = opt("repeats") or 3
+    if opt("plot"):
+        try:
+            import matplotlib  # noqa: F401
+        except ImportError:
+            return _error("--plot needs matplotlib (pip install matplotlib)")
+
+    skipped: dict[str, str] = {}
+    if any(m.name == HF_ASSIST for m in methods) and opt("assistant") is None:
+        skipped[HF_ASSIST] = "no --assistant given"
+        methods = [m for m in methods if m.name != HF_ASSIST]
+
+    old_threads = torch.get_num_threads()
+    threads = opt("threads") or old_threads
+    torch.set_num_threads(threads)
+    try:
+        model = opt("model") or "smollm2-135m"
+        try:
+            target = load_target_spec(model)
+            assistant = load_target_spec(opt("assistant")) if opt("assistant") is not None else None
+            prepared = prepare_items(items, target, opt("max_new_tokens"))
+        except (ValueError, FileNotFoundError, OSError) as exc:
+            return _error(str(exc))
+        if mesh_methods and not opt("addr") and not isinstance(model, str):
+            return _error("--target mesh without --addr starts a mesh for --model, which must be a model spec")
+        mesh_info: dict[str, Any] | None = None
+        try:
+            with contextlib.ExitStack() as cleanup:
+                runners = [
+                    make_runner(m, target, assistant=assistant, max_nodes=opt("max_nodes"))
+                    for m in methods
+                    if m.family != "mesh"
+                ]
+                if mesh_methods:
+                    try:
+                        mesh_runners, mesh_info, measure_memory = open_mesh(
+                            cleanup, mesh_methods, model=model, threads=threads, addr=opt("addr"),
+                            api_key=opt("api_key"), tls_ca=tls_ca, max_nodes=opt("max_nodes"),
+                        )
+                    except MeshError as exc:
+                        return _error(str(exc))
+                    runners += mesh_runners
+                try:
+                    results = execute(
+                        runners, prepared, repeats, progress=not opt("no_progress"), tokenizer=target.tokenizer
+                    )
+                except MeshError as exc:
+                    return _error(str(exc))
+                if mesh_info is not None and mesh_info.get("started_by_bench"):
+                    mesh_info["memory"] = measure_memory()
+        except KeyboardInterrupt:
+            stopped = " (the mesh it started is stopped)" if mesh_methods and not opt("addr") else ""
+            print(f"draftmesh bench: interrupted{stopped}", file=sys.stderr)
+            return EXIT_INTERRUPTED
+        measure_fidelity(results)
+        by_id = {p.id: p for p in prepared}
+        plain = {r.item_id: r for r in results if r.method == PLAIN}
+        for r in results:
+            if r.identical_to_plain is False and r.first_difference is not None:
+                ref = plain[r.item_id].runs[r.mismatch_repeat or 0].token_ids
+                try:
+                    r.mismatch_top2_gap = top2_gap(target, by_id[r.item_id].prompt_ids, ref[: r.first_difference])
+                except Exception:  # noqa: BLE001 - the gap is a diagnostic only
+                    r.mismatch_top2_gap = None
+        cost_curve = {}
+        if not opt("no_cost_curve"):
+            cost_curve = target.cost_curve or target.measure_cost_curve()
+        meta = {
+            "date": datetime.now(timezone.utc).isoformat(timespec="seconds"),
+            "command": opt("command_line") or command_line("draftmesh bench"),
+            "machine": machine_info(),
+            "dtype": str(target.dtype).replace("torch.", ""),
+            "device": str(target.device),
+            "assistant": getattr(assistant, "name", None),
+            "workload": {"path": str(args.workload), "items": len(prepared)},
+            "max_new_tokens_override": opt("max_new_tokens"),
+            "max_nodes": opt("max_nodes"),
+            "cost_curve": {str(k): round(v, 4) for k, v in cost_curve.items()},
+            "step_ms": round(1e3 * target.step_seconds, 4) if cost_curve and target.step_seconds else None,
+        }
+        name = model if isinstance(model, str) else getattr(target, "name", "model")
+        meta["target"] = target_kind
+        traced = next((r.tracing for r in runners if getattr(r, "tracing", None) is not None), None)
+        if traced is not None:
+            meta["traced_spans_exported"] = traced.exported()
+            meta["untraced_step_span_cost_us"] = round(noop_step_cost_us(), 2)
+        report = BenchReport(name, threads, repeats, results, skipped, meta, mesh=mesh_info)
+        print(format_report(report))
+        if opt("json"):
+            print(f"wrote {write_json(opt('json'), report_to_json(report))}")
+        if opt("plot"):
+            Path(opt("plot")).parent.mkdir(parents=True, exist_ok=True)
+            write_plot(report, opt("plot"))
+            print(f"wrote {opt('plot')}")
+        return EXIT_MISMATCH if any(r.identical_to_plain is False for r in results) else EXIT_OK
+    finally:
+        torch.set_num_threads(old_threads)
