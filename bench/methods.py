@@ -52,13 +52,12 @@ MESH_PAIRS = ((MESH_DRAFTMESH, DRAFTMESH), (MESH_PLAIN, PLAIN))
 @dataclass(frozen=True)
 class Method:
     name: str
-    family: str
-    """"engine" (our decoder), "hf" (transformers generate) or "mesh" (the served mesh over gRPC)."""
+    family: MethodFamily
     sources: tuple[str, ...] | None = None
     """Engine: the draft sources; None = the registry's default set, () = plain decoding.
     Mesh: () = speculation disabled, None = the mesh's default speculation."""
-    hf_mode: str | None = None
-    """HF only: "greedy", "pld" or "assist"."""
+    hf_mode: HFMode | None = None
+    """HF only: plain greedy, prompt lookup, or an assistant model."""
     lossless: bool = True
     policy: str = "exact"
     """Engine only: the acceptance policy (``draftmesh+typical``); only "exact" is lossless."""

@@ -14,7 +14,7 @@ from draftmesh.backend import TorchTarget
 from draftmesh.bench.items import ItemRun, MethodRunner, PreparedItem, SourceStats
 from draftmesh.bench.methods import Method
 from draftmesh.bench.tracing import tracing_switch
-from draftmesh.verify.decoder import GenerationRequest
+from draftmesh.io_struct import GenerationRequest, SpeculationParams
 from draftmesh.verify.engine import build_decoder
 
 PLD_NUM_TOKENS = 10
@@ -101,7 +101,7 @@ class EngineRunner:
             request_id=item.id,
             session_id=item.item.session,
             documents=item.item.corpus,
-            policy=self.policy,
+            speculation=SpeculationParams(policy=self.policy),
         )
         with self.tracing.enabled() if self.tracing is not None else contextlib.nullcontext():
             t0 = time.perf_counter()

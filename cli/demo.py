@@ -33,9 +33,9 @@ DEMO_MESSAGES = [
 
 
 def run_demo(cfg: EngineConfig, repeats: int = 3, max_new_tokens: int = 160, out=sys.stdout) -> dict:
+    from draftmesh.io_struct import GenerationRequest
     from draftmesh.prompts import encode_messages
     from draftmesh.verify.engine import build_decoder, decoder_from_config, load_target
-    from draftmesh.verify.decoder import GenerationRequest
 
     t0 = time.perf_counter()
     target = load_target(cfg)

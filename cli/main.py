@@ -32,10 +32,9 @@ def cmd_demo(args: argparse.Namespace) -> int:
 
 
 def cmd_run(args: argparse.Namespace) -> int:
+    from draftmesh.io_struct import GenerationRequest, SamplingParams
     from draftmesh.prompts import encode_messages, encode_prompt
     from draftmesh.verify.engine import decoder_from_config, load_target
-    from draftmesh.verify.decoder import GenerationRequest
-    from draftmesh.sampling import SamplingParams
 
     cfg = config_from_args(args)
     tracing.setup_tracing("engine")

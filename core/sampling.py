@@ -1,4 +1,4 @@
-"""Sampling parameters and the target distribution they define.
+"""The target distribution a request's ``SamplingParams`` define, and a draw from it.
 
 Plain sampling and speculative rejection sampling both draw from ``target_probs``; that
 shared definition is what "exactly the target's distribution" means in this project.
@@ -7,45 +7,9 @@ The arithmetic is float64 so that residual updates do not drift.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
-
 import torch
 
-
-@dataclass(frozen=True)
-class SamplingParams:
-    temperature: float = 0.0
-    """0 means greedy (argmax); top_p/top_k are then ignored."""
-    top_p: float = 1.0
-    top_k: int = 0
-    """0 disables top-k."""
-    seed: int | None = None
-
-    def __post_init__(self) -> None:
-        for name in ("temperature", "top_p"):
-            value = getattr(self, name)
-            if not isinstance(value, (int, float)) or value != value:  # NaN check
-                raise ValueError(f"{name} must be a number, got {value!r}")
-        if self.temperature < 0:
-            raise ValueError(f"temperature must be >= 0, got {self.temperature}")
-        if not 0.0 < self.top_p <= 1.0:
-            raise ValueError(f"top_p must be in (0, 1], got {self.top_p}")
-        if not isinstance(self.top_k, int) or self.top_k < 0:
-            raise ValueError(f"top_k must be an integer >= 0, got {self.top_k!r}")
-        if self.seed is not None and (not isinstance(self.seed, int) or self.seed < 0):
-            raise ValueError(f"seed must be a non-negative integer, got {self.seed!r}")
-
-    @property
-    def greedy(self) -> bool:
-        return self.temperature == 0.0
-
-    def generator(self) -> torch.Generator:
-        gen = torch.Generator()
-        if self.seed is None:
-            gen.seed()
-        else:
-            gen.manual_seed(self.seed)
-        return gen
+from draftmesh.io_struct import SamplingParams
 
 
 def target_probs(logits: torch.Tensor, params: SamplingParams) -> torch.Tensor:

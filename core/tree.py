@@ -19,7 +19,8 @@ from typing import Iterable, Sequence
 
 import torch
 
-MAX_TREE_NODES = 1024
+from draftmesh.io_struct import MAX_TREE_NODES
+
 
 
 @dataclass(frozen=True)

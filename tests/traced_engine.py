@@ -16,7 +16,8 @@ def main(trace_steps: int) -> None:
     from draftmesh.draft.base import DraftContext, Proposal
     from draftmesh.draft.grpc_server import serve_source
     from draftmesh.draft.grpc_source import GrpcDraftSource
-    from draftmesh.verify.decoder import GenerationRequest, SpeculativeDecoder
+    from draftmesh.io_struct import GenerationRequest
+    from draftmesh.verify.decoder import SpeculativeDecoder
     from draftmesh.verify.tree_builder import TrieBuilder
 
     target = tiny_target("llama")

@@ -25,7 +25,7 @@ from draftmesh.bench.workload import load_workload
 from draftmesh.config import EngineConfig
 from draftmesh.draft import registry
 from draftmesh.factcheck.client import FactCheckClient
-from draftmesh.verify.decoder import GenerationRequest
+from draftmesh.io_struct import GenerationRequest, SpeculationParams
 from draftmesh.verify.engine import decoder_from_config, load_target
 from draftmesh.verify.factcheck_link import FactCheckLink
 
@@ -140,7 +140,7 @@ class GenerationBench:
         request_id = f"{item.id}-{arm.policy}-{'on' if arm.link else 'off'}-r{repeat}-{uuid.uuid4().hex[:6]}"
         req = GenerationRequest(
             prompt_ids=item.prompt_ids, max_new_tokens=max_new_tokens or item.max_new_tokens, request_id=request_id,
-            documents=item.item.corpus, policy=arm.policy,
+            documents=item.item.corpus, speculation=SpeculationParams(policy=arm.policy),
         )  # fmt: skip
         cpu0 = self.worker.cpu_s()
         t0 = time.perf_counter()

@@ -43,9 +43,10 @@ from typing import Any, Sequence
 
 import torch
 
-from draftmesh.draft.base import DraftContext, Proposal
 from draftmesh.backend import KVState, TorchTarget
-from draftmesh.sampling import SamplingParams, target_probs
+from draftmesh.draft.base import DraftContext, Proposal
+from draftmesh.io_struct import SamplingParams
+from draftmesh.sampling import target_probs
 from draftmesh.tree import TokenTree
 
 REENCODE_TOKENS = 8

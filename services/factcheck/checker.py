@@ -13,9 +13,9 @@ from typing import Any, Callable, Sequence
 
 from draftmesh.config import FactCheckConfig
 from draftmesh.factcheck.dates import check_dates, find_date_spans
-from draftmesh.factcheck.findings import Finding
 from draftmesh.factcheck.ner import NerBackend, make_ner
 from draftmesh.factcheck.numeric import NumericRule, check_numbers, load_rules
+from draftmesh.io_struct import Finding
 
 log = logging.getLogger(__name__)
 

@@ -22,7 +22,8 @@ from typing import Sequence
 
 from dateutil import parser as _dateutil
 
-from .findings import Finding, Mention
+from draftmesh.factcheck.findings import Mention
+from draftmesh.io_struct import Finding
 
 __all__ = ["GREGORIAN_SINCE", "PartialDate", "parse_date", "calendar_error", "check_dates"]
 

@@ -20,13 +20,14 @@ from __future__ import annotations
 
 import logging
 import re
-from decimal import Decimal
 from dataclasses import dataclass
+from decimal import Decimal
 from typing import Any, Sequence
 
+from draftmesh.factcheck.findings import Mention
+from draftmesh.io_struct import Finding
 
 from .dates import parse_date as parse_calendar_date
-from .findings import Finding, Mention
 from .numeric import parse_number
 from .wikidata import Entity, EntityLookup, SearchHit, WikidataError, WikidataTime, normalize_name
 

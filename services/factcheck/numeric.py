@@ -24,7 +24,7 @@ from typing import Any, Iterable, Mapping, Sequence
 
 import yaml
 
-from .findings import Finding
+from draftmesh.io_struct import Finding
 
 __all__ = ["DEFAULT_RULES", "MACROS", "NumericRule", "parse_number", "load_rules", "check_numbers"]
 

@@ -29,7 +29,7 @@ import re
 from dataclasses import dataclass, field
 from typing import Any, Literal, Mapping
 
-from draftmesh.factcheck.findings import Finding
+from draftmesh.io_struct import FactCheckReport, Finding
 
 PROTOCOL_VERSION = "1"
 """Bumped on incompatible changes; workers dead-letter entries of another version."""
@@ -39,7 +39,7 @@ KINDS: tuple[str, ...] = ("draft", "output", "query")
 """draft: a non-trivial draft span proposed to the verifier; output: a finished output;
 query: a text sent to the ``FactCheck`` RPC."""
 
-Status = Literal["done", "failed"]
+AnnotationStatus = Literal["done", "failed"]
 STATUSES: tuple[str, ...] = ("done", "failed")
 
 MAX_TEXT_CHARS = 100_000
@@ -249,7 +249,7 @@ class Annotation:
     span could not be checked (``error`` says why) and no findings are claimed."""
 
     annotation_id: str
-    status: str
+    status: AnnotationStatus
     findings: tuple[Finding, ...] = field(default=())
     worker: str = ""
     latency_ms: float = 0.0
@@ -266,8 +266,15 @@ class Annotation:
 
     @property
     def flagged(self) -> bool:
-        """Whether any finding flags its span (``findings.FLAGGING``)."""
+        """Whether any finding flags its span (``io_struct.FLAGGING``)."""
         return any(f.flagged for f in self.findings)
+
+    def report(self, **counts: int) -> FactCheckReport:
+        """What a client sees of this annotation: done with the findings, or failed with why;
+        ``counts``: the producing request's draft counters (drafts_submitted, ...)."""
+        if self.status == "done":
+            return FactCheckReport("done", self.annotation_id, self.findings, **counts)
+        return FactCheckReport("failed", self.annotation_id, self.findings, error=self.error, **counts)
 
     def to_dict(self) -> dict[str, Any]:
         return {

@@ -46,8 +46,8 @@ import redis
 
 from draftmesh import tracing
 from draftmesh.config import FactCheckConfig, add_config_arguments, config_from_args
-from draftmesh.factcheck.findings import Finding
 from draftmesh.factcheck.protocol import Annotation, MalformedEntry, SpanEntry, StreamNames, as_str
+from draftmesh.io_struct import Finding
 from draftmesh.tracing import SpanKind
 
 log = logging.getLogger(__name__)

@@ -9,7 +9,6 @@ the verifier stops before its next step.
 from __future__ import annotations
 
 import asyncio
-import dataclasses
 import logging
 from typing import AsyncIterator
 
@@ -19,17 +18,15 @@ from ray.serve.grpc_util import RayServegRPCContext
 
 from draftmesh import tracing
 from draftmesh.config import MeshConfig
+from draftmesh.factcheck.client import FactCheckBusy, FactCheckClient, FactCheckUnavailable
+from draftmesh.factcheck.protocol import annotation_id_for_text
+from draftmesh.io_struct import Rejected, ServedResult, ServeRequest, StepEvent
 from draftmesh.metrics import RayMetrics
 from draftmesh.router.auth import ApiKeyAuth
-from draftmesh.factcheck.client import FactCheckBusy, FactCheckUnavailable
-from draftmesh.factcheck.protocol import annotation_id_for_text
 from draftmesh.router.responses import report_to_proto, result_to_proto, step_to_proto
 from draftmesh.router.telemetry import RouterMetrics, RpcCall
 from draftmesh.router.validation import InvalidRequest, RequestLimits, parse_factcheck, parse_request
 from draftmesh.v1 import generation_pb2 as pb
-from draftmesh.verify.decoder import GenerationResult, StepEvent
-from draftmesh.verify.factcheck_link import report_from_annotation
-from draftmesh.verify.messages import Rejected, ServeRequest
 from draftmesh.verify.policy import available_policies
 
 log = logging.getLogger(__name__)
@@ -67,12 +64,10 @@ class Router:
         self.policies = available_policies()
         self.in_flight = 0
         self.metrics = RouterMetrics(RayMetrics())
-        self.factcheck = None
+        self.factcheck_client: FactCheckClient | None = None
         self._lag_watch: asyncio.Task | None = None
         if cfg.factcheck:
-            from draftmesh.factcheck.client import FactCheckClient
-
-            self.factcheck = FactCheckClient(cfg.redis_url, cfg.factcheck_config())
+            self.factcheck_client = FactCheckClient(cfg.redis_url, cfg.factcheck_config())
 
     # ------------------------------------------------------------------ RPCs
     async def Generate(self, request: pb.GenerateRequest, grpc_context: RayServegRPCContext) -> AsyncIterator[pb.GenerateResponse]:
@@ -87,7 +82,7 @@ class Router:
                         yield step_to_proto(step, event)
                     else:
                         call.result(event)
-                        yield pb.GenerateResponse(result=result_to_proto(event, req.request_id, event.replica))
+                        yield pb.GenerateResponse(result=result_to_proto(event, req.request_id))
             finally:
                 self._release()
 
@@ -96,9 +91,9 @@ class Router:
             req = self._admit(request, grpc_context, call)
             try:
                 async for event in self._events(req, grpc_context):
-                    if isinstance(event, GenerationResult):
+                    if isinstance(event, ServedResult):
                         call.result(event)
-                        return result_to_proto(event, req.request_id, event.replica)
+                        return result_to_proto(event, req.request_id)
                     call.step()
                 raise self._fail(grpc_context, grpc.StatusCode.INTERNAL, "the verifier ended without a result")
             finally:
@@ -113,7 +108,7 @@ class Router:
 
     async def _factcheck(self, request: pb.FactCheckRequest, grpc_context: RayServegRPCContext) -> pb.FactCheckReport:
         self._authenticate(grpc_context)
-        if self.factcheck is None:
+        if self.factcheck_client is None:
             raise self._fail(grpc_context, grpc.StatusCode.FAILED_PRECONDITION, "the fact-check service is off in this mesh")
         try:
             text, annotation_id, wait_ms = parse_factcheck(request, self.limits)
@@ -123,7 +118,7 @@ class Router:
         try:
             if text:
                 annotation_id = annotation_id_for_text("query", text)
-                annotation = await asyncio.to_thread(self.factcheck.check_text, text, wait_s)  # context copied
+                annotation = await asyncio.to_thread(self.factcheck_client.check_text, text, wait_s)  # context copied
             else:
                 annotation = await asyncio.to_thread(self._fetch, annotation_id, wait_s)
         except FactCheckBusy as exc:
@@ -133,11 +128,11 @@ class Router:
         if annotation is None:
             return pb.FactCheckReport(status="pending", annotation_id=annotation_id,
                                       error="no annotation yet: still queued, unknown or expired")
-        return report_to_proto(report_from_annotation(annotation))
+        return report_to_proto(annotation.report())
 
     def _fetch(self, annotation_id: str, wait_s: float):
-        found = self.factcheck.wait(annotation_id, wait_s)  # reads the key first; 0 s: only that
-        if found is None and not self.factcheck.available:
+        found = self.factcheck_client.wait(annotation_id, wait_s)  # reads the key first; 0 s: only that
+        if found is None and not self.factcheck_client.available:
             raise FactCheckUnavailable("Redis unreachable")
         return found
 
@@ -148,7 +143,7 @@ class Router:
             raise self._fail(ctx, grpc.StatusCode.UNAUTHENTICATED, reason)
 
     def _call(self, method: str, ctx: RayServegRPCContext) -> RpcCall:
-        if self.factcheck is not None and self._lag_watch is None:
+        if self.factcheck_client is not None and self._lag_watch is None:
             self._lag_watch = asyncio.get_running_loop().create_task(self._watch_factcheck_lag())
         return RpcCall(method, ctx.invocation_metadata(), self.metrics)
 
@@ -163,8 +158,8 @@ class Router:
                              f"server busy: {self.in_flight} requests in flight (limit {self.cfg.max_in_flight}); retry later")
         self.in_flight += 1
         self.metrics.in_flight.set(self.in_flight)
-        call.admitted(req.request_id, req.policy)
-        return dataclasses.replace(req, trace_context=call.carrier())
+        call.admitted(req.request_id, req.speculation.policy)
+        return req.with_trace_context(call.carrier())
 
     def _release(self) -> None:
         self.in_flight -= 1
@@ -174,7 +169,7 @@ class Router:
         """Keep the fact-check lag gauge fresh (the producers read it anyway, cached)."""
         while True:
             try:
-                self.metrics.factcheck_lag.set(await asyncio.to_thread(self.factcheck.lag, refresh=True))
+                self.metrics.factcheck_lag.set(await asyncio.to_thread(self.factcheck_client.lag, refresh=True))
             except Exception as exc:  # Redis down: the gauge keeps its last value
                 log.debug("fact-check lag unavailable: %r", exc)
             await asyncio.sleep(period_s)

@@ -2,9 +2,8 @@
 
 from __future__ import annotations
 
+from draftmesh.io_struct import FactCheckReport, ServedResult, StepEvent
 from draftmesh.v1 import generation_pb2
-from draftmesh.verify.decoder import GenerationResult, StepEvent
-from draftmesh.verify.factcheck_link import FactCheckReport
 
 
 def step_to_proto(step_index: int, event: StepEvent) -> generation_pb2.GenerateResponse:
@@ -24,12 +23,14 @@ def step_to_proto(step_index: int, event: StepEvent) -> generation_pb2.GenerateR
     return generation_pb2.GenerateResponse(delta=delta)
 
 
-def result_to_proto(result: GenerationResult, request_id: str, replica: str) -> generation_pb2.GenerateResult:
-    """The final result: text, usage, per-source stats (sorted by name) and the policy verdict."""
+def result_to_proto(served: ServedResult, request_id: str) -> generation_pb2.GenerateResult:
+    """The final result: text, usage, per-source stats (sorted by name), the policy verdict, the
+    replica that served it and the output's fact-check."""
+    result = served.result
     usage = generation_pb2.Usage(
         prompt_tokens=result.prompt_tokens,
         completion_tokens=len(result.token_ids),
-        cached_prompt_tokens=int(getattr(result, "reused_tokens", 0) or 0),
+        cached_prompt_tokens=result.reused_tokens,
         steps=len(result.steps),
     )
     sources = [
@@ -55,8 +56,8 @@ def result_to_proto(result: GenerationResult, request_id: str, replica: str) -> 
         lenient_tokens=result.lenient_tokens,
         seconds=result.seconds,
         first_token_ms=result.first_token_s * 1000.0,
-        replica=replica,
-        factcheck=report_to_proto(result.factcheck) if result.factcheck is not None else None,
+        replica=served.replica,
+        factcheck=report_to_proto(served.factcheck_report) if served.factcheck_report is not None else None,
     )
 
 

@@ -15,8 +15,8 @@ import grpc
 from opentelemetry import trace
 
 from draftmesh import tracing
+from draftmesh.io_struct import ServedResult
 from draftmesh.metrics import LATENCY_BUCKETS_S, MetricsBackend
-from draftmesh.verify.decoder import GenerationResult
 
 SERVICE = "draftmesh.v1.Generation"
 SERVER_FAULTS = {grpc.StatusCode.UNKNOWN, grpc.StatusCode.DEADLINE_EXCEEDED, grpc.StatusCode.UNIMPLEMENTED,
@@ -80,14 +80,15 @@ class RpcCall:
             if self.metrics is not None:
                 self.metrics.first_token.observe(self.first_token_s)
 
-    def result(self, result: GenerationResult) -> None:
+    def result(self, served: ServedResult) -> None:
+        result = served.result
         self.step()
         if self.span.is_recording():
             self.span.set_attributes({
                 "draftmesh.tokens": len(result.token_ids), "draftmesh.steps": len(result.steps),
                 "draftmesh.tokens_per_step": round(result.mean_accepted_per_step, 3),
                 "draftmesh.finish_reason": result.finish_reason, "draftmesh.lossless": result.lossless,
-                "draftmesh.replica": result.replica,
+                "draftmesh.replica": served.replica,
             })
         if self.metrics is not None:
             tags = {"policy": result.policy}

@@ -3,8 +3,10 @@
 Every field is checked here, before anything is admitted or sent to a verifier replica.
 A bad field is an ``InvalidRequest`` naming the proto field path ("stop[1]",
 "speculation.max_nodes", "messages[0].role") and the rule it breaks; the gRPC front door
-turns it into INVALID_ARGUMENT. What only the model knows (token counts against the
-context, a policy's parameter ranges) is left to the verifier, which answers ``Rejected``.
+turns it into INVALID_ARGUMENT. The rules of the parameter groups (sampling, speculation) are
+``draftmesh.io_struct``'s own, checked when the groups are built, so the library and the front door
+enforce the same ones. What only the model knows (token counts against the context, a policy's
+parameter ranges) is left to the verifier, which answers ``Rejected``.
 """
 
 from __future__ import annotations
@@ -15,20 +17,22 @@ import uuid
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, Sequence
 
-from draftmesh.verify.messages import ServeRequest
-from draftmesh.tree import MAX_TREE_NODES
+from draftmesh.io_struct import (
+    ROLES,
+    FactCheckOptions,
+    InvalidField,
+    SamplingParams,
+    ServeRequest,
+    SpeculationParams,
+)
 
 if TYPE_CHECKING:  # pragma: no cover
     from draftmesh.config import MeshConfig
     from draftmesh.v1 import generation_pb2
 
-ROLES = ("system", "user", "assistant")
 MAX_ID_CHARS = 128
 """request_id, session_id and document ids."""
 MAX_STOP_BYTES = 256
-MAX_TEMPERATURE = 100.0
-MAX_TOP_K = 1_000_000
-MAX_SOURCE_CAP = 256
 MAX_POLICY_PARAMS = 16
 MAX_POLICY_KEY_CHARS = 64
 MAX_POLICY_VALUE_CHARS = 256
@@ -38,13 +42,8 @@ _INT = re.compile(r"[+-]?\d+", re.ASCII)
 _FLOAT = re.compile(r"[+-]?(?:\d+\.?\d*|\.\d+)(?:[eE][+-]?\d+)?", re.ASCII)
 
 
-class InvalidRequest(ValueError):
-    """A request field breaks a rule; ``str()`` reads ``"<field>: <rule>"``."""
-
-    def __init__(self, field: str, rule: str) -> None:
-        super().__init__(f"{field}: {rule}")
-        self.field = field
-        self.rule = rule
+InvalidRequest = InvalidField
+"""A request field breaks a rule (the io_struct error the parameter groups raise too)."""
 
 
 @dataclass(frozen=True)
@@ -98,21 +97,17 @@ def parse_request(
     metadata), used when the client left ``req.request_id`` empty; a uuid4 hex otherwise.
     """
     prompt, messages = _prompt(req, limits)
-    spec = _speculation(req, sources, policies)
     return ServeRequest(
         request_id=_request_id(req.request_id, request_id),
         prompt=prompt,
         messages=messages,
         max_new_tokens=_max_new_tokens(req, limits),
-        temperature=_temperature(req),
-        top_p=_top_p(req),
-        top_k=_top_k(req),
-        seed=req.seed if req.HasField("seed") else None,
+        sampling=_sampling(req),
         stop=_stop(req, limits),
         session_id=_ident("session_id", req.session_id) or None,
         documents=_documents(req, limits),
-        **spec,
-        **_factcheck_options(req.factcheck),
+        speculation=_speculation(req, sources, policies),
+        factcheck_options=_factcheck_options(req.factcheck),
     )
 
 
@@ -130,11 +125,9 @@ def parse_factcheck(req: "generation_pb2.FactCheckRequest", limits: RequestLimit
     return req.text, annotation_id, _wait_ms("wait_ms", req)
 
 
-def _factcheck_options(options) -> dict[str, Any]:
-    out: dict[str, Any] = {"factcheck_wait_ms": _wait_ms("factcheck.wait_ms", options)}
-    if options.HasField("enabled"):
-        out["factcheck"] = options.enabled
-    return out
+def _factcheck_options(options) -> FactCheckOptions:
+    enabled = options.enabled if options.HasField("enabled") else True
+    return FactCheckOptions(enabled=enabled, wait_ms=_wait_ms("factcheck.wait_ms", options))
 
 
 def _wait_ms(field: str, message) -> int | None:
@@ -204,31 +197,14 @@ def _float32(value: float) -> float:
     return float(str(np.float32(value)))
 
 
-def _temperature(req) -> float:
-    if not req.HasField("temperature"):
-        return 0.0
-    t = req.temperature
-    if not math.isfinite(t) or not 0.0 <= t <= MAX_TEMPERATURE:
-        raise InvalidRequest("temperature", f"must be a finite number in [0, {MAX_TEMPERATURE:g}], got {t}")
-    return _float32(t)
-
-
-def _top_p(req) -> float:
-    if not req.HasField("top_p"):
-        return 1.0
-    p = req.top_p
-    if not math.isfinite(p) or not 0.0 < p <= 1.0:
-        raise InvalidRequest("top_p", f"must be in (0, 1], got {p}")
-    return _float32(p)
-
-
-def _top_k(req) -> int:
-    if not req.HasField("top_k"):
-        return 0
-    k = req.top_k
-    if not 0 <= k <= MAX_TOP_K:
-        raise InvalidRequest("top_k", f"must be in [0, {MAX_TOP_K}] (0 = off), got {k}")
-    return k
+def _sampling(req) -> SamplingParams:
+    """Unset fields take the defaults; proto floats read as their shortest decimal (0.7f is 0.7)."""
+    return SamplingParams(
+        temperature=_float32(req.temperature) if req.HasField("temperature") else 0.0,
+        top_p=_float32(req.top_p) if req.HasField("top_p") else 1.0,
+        top_k=req.top_k if req.HasField("top_k") else 0,
+        seed=req.seed if req.HasField("seed") else None,
+    )
 
 
 # ---------------------------------------------------------------------- text fields
@@ -288,39 +264,16 @@ def _request_id(client: str, server: str | None) -> str:
 
 
 # ---------------------------------------------------------------------- speculation
-def _speculation(req, sources: Sequence[str], policies: Sequence[str]) -> dict[str, Any]:
+def _speculation(req, sources: Sequence[str], policies: Sequence[str]) -> SpeculationParams:
+    """The speculation group; names must be this mesh's sources and policies (the ranges and the
+    duplicate check are SpeculationParams' own)."""
     spec = req.speculation
     known = list(sources)
     available = ", ".join(known) or "none"
-
-    chosen: tuple[str, ...] | None = None
-    if len(spec.sources):
-        seen: set[str] = set()
-        for i, name in enumerate(spec.sources):
-            field = f"speculation.sources[{i}]"
-            if name not in known:
-                raise InvalidRequest(field, f"unknown draft source {name!r}; this mesh serves: {available}")
-            if name in seen:
-                raise InvalidRequest(field, f"draft source {name!r} is listed twice")
-            seen.add(name)
-        chosen = tuple(spec.sources)
-
-    caps: dict[str, int] = {}
-    for name in sorted(spec.source_caps):
-        field = f"speculation.source_caps[{name}]"
+    for field, name in [*((f"speculation.sources[{i}]", n) for i, n in enumerate(spec.sources)),
+                        *((f"speculation.source_caps[{n}]", n) for n in sorted(spec.source_caps))]:
         if name not in known:
             raise InvalidRequest(field, f"unknown draft source {name!r}; this mesh serves: {available}")
-        cap = spec.source_caps[name]
-        if not 0 <= cap <= MAX_SOURCE_CAP:
-            raise InvalidRequest(field, f"must be in [0, {MAX_SOURCE_CAP}], got {cap}")
-        caps[name] = cap
-
-    max_nodes = None
-    if spec.HasField("max_nodes"):
-        max_nodes = spec.max_nodes
-        if not 0 <= max_nodes <= MAX_TREE_NODES:
-            raise InvalidRequest("speculation.max_nodes", f"must be in [0, {MAX_TREE_NODES}], got {max_nodes}")
-
     policy = spec.policy or "exact"
     if policy != "exact" and policy not in policies:
         raise InvalidRequest(
@@ -329,12 +282,11 @@ def _speculation(req, sources: Sequence[str], policies: Sequence[str]) -> dict[s
     params = _policy_params(spec.policy_params)
     if params and policy == "exact":
         raise InvalidRequest("speculation.policy_params", "the exact policy takes no parameters")
-
-    return dict(
-        speculate=spec.enabled if spec.HasField("enabled") else True,
-        sources=chosen,
-        source_caps=caps,
-        max_nodes=max_nodes,
+    return SpeculationParams(
+        enabled=spec.enabled if spec.HasField("enabled") else True,
+        sources=tuple(spec.sources) if len(spec.sources) else None,
+        source_caps={name: spec.source_caps[name] for name in sorted(spec.source_caps)},
+        max_nodes=spec.max_nodes if spec.HasField("max_nodes") else None,
         policy=policy,
         policy_params=params,
     )

@@ -12,7 +12,8 @@ from dataclasses import dataclass
 
 import torch
 
-from draftmesh.sampling import SamplingParams, sample, target_probs
+from draftmesh.io_struct import SamplingParams
+from draftmesh.sampling import sample, target_probs
 from draftmesh.tree import TokenTree
 
 

@@ -18,116 +18,24 @@ import logging
 import time
 import uuid
 from concurrent.futures import ThreadPoolExecutor
-from dataclasses import dataclass, field
 from typing import Any, Callable, Iterator, Mapping, Sequence
 
 from opentelemetry import trace
 
 from draftmesh import tracing
-from draftmesh.draft.base import DraftContext, DraftSource, LearningSource, Proposal, sliced
-from draftmesh.verify.acceptance import Verdict
-from draftmesh.verify.policy import AcceptancePolicy, make_policy
 from draftmesh.backend import KVState, TorchTarget
-from draftmesh.sampling import SamplingParams
+from draftmesh.draft.base import DraftContext, DraftSource, LearningSource, Proposal, sliced
+from draftmesh.io_struct import FinishReason, GenerationRequest, GenerationResult, StepEvent, StepRecord
+from draftmesh.tree import TokenTree
+from draftmesh.verify.policy import AcceptancePolicy, make_policy
 from draftmesh.verify.session_kv import SessionKVPool
 from draftmesh.verify.source_caller import SourceCaller
 from draftmesh.verify.text_stream import TextStream
-from draftmesh.tree import MAX_TREE_NODES, TokenTree
 from draftmesh.verify.tree_builder import CostAwareTreeBuilder, TreeBuilder, default_aligner
 
 log = logging.getLogger(__name__)
 
 TEXT_TAIL_TOKENS = 48
-
-
-@dataclass(frozen=True)
-class GenerationRequest:
-    prompt_ids: tuple[int, ...]
-    max_new_tokens: int = 128
-    sampling: SamplingParams = SamplingParams()
-    stop: tuple[str, ...] = ()
-    speculate: bool = True
-    request_id: str = ""
-    session_id: str | None = None
-    documents: tuple[str, ...] = ()
-    policy: str = "exact"
-    """Acceptance policy; anything but "exact" is a lossy opt-in."""
-    policy_params: Mapping[str, Any] = dataclasses.field(default_factory=dict)
-    sources: tuple[str, ...] | None = None
-    """Which of the decoder's sources to ask (None: all of them)."""
-    source_caps: Mapping[str, int] = dataclasses.field(default_factory=dict)
-    """Per source, the most drafted tokens it may contribute per step."""
-    max_nodes: int | None = None
-    """Cap on tree nodes per step for this request (the builder's own cap still applies)."""
-
-
-@dataclass
-class StepRecord:
-    tree_size: int
-    accepted: int
-    """Drafted tokens accepted this step (the bonus/correction token not counted)."""
-    emitted: int
-    """Tokens committed this step: accepted + 1, less any cut by EOS/stop/budget."""
-    draft_s: float
-    verify_s: float
-    proposed_by_source: dict[str, int] = field(default_factory=dict)
-    """Proposals each source returned this step."""
-    nodes_by_source: dict[str, int] = field(default_factory=dict)
-    """Verified tree nodes each source proposed (a node can count for several)."""
-    accepted_by_source: dict[str, int] = field(default_factory=dict)
-    failed_sources: tuple[str, ...] = ()
-    lenient: int = 0
-    """Accepted tokens that only a lossy policy let through."""
-
-
-@dataclass
-class StepEvent:
-    token_ids: list[int]
-    text: str
-    record: StepRecord
-
-
-@dataclass
-class GenerationResult:
-    token_ids: list[int]
-    text: str
-    finish_reason: str
-    """"eos", "stop" or "length"."""
-    prompt_tokens: int
-    steps: list[StepRecord]
-    seconds: float
-    first_token_s: float
-    policy: str = "exact"
-    lossless: bool = True
-    lenient_tokens: int = 0
-    replica: str = ""
-    """The verifier replica that served it (set by the serving layer)."""
-    reused_tokens: int = 0
-    """Prompt tokens whose KV came from the session's previous request (not prefilled)."""
-    factcheck: Any = None
-    """The fact-check report (a ``FactCheckReport``, set by the serving layer) or None."""
-
-    @property
-    def mean_accepted_per_step(self) -> float:
-        """Tokens committed per target forward (1.0 for plain decoding)."""
-        return len(self.token_ids) / max(1, len(self.steps))
-
-    @property
-    def tokens_per_s(self) -> float:
-        return len(self.token_ids) / self.seconds if self.seconds > 0 else 0.0
-
-    def source_stats(self) -> dict[str, dict[str, float]]:
-        """Per source: tree nodes proposed, tokens accepted, acceptance rate, failed steps."""
-        out: dict[str, dict[str, float]] = {}
-        for step in self.steps:
-            for name in {*step.nodes_by_source, *step.accepted_by_source, *step.failed_sources}:
-                entry = out.setdefault(name, {"nodes": 0, "accepted": 0, "failed_steps": 0})
-                entry["nodes"] += step.nodes_by_source.get(name, 0)
-                entry["accepted"] += step.accepted_by_source.get(name, 0)
-                entry["failed_steps"] += name in step.failed_sources
-        for entry in out.values():
-            entry["acceptance"] = entry["accepted"] / entry["nodes"] if entry["nodes"] else 0.0
-        return out
 
 
 FlagProvider = Callable[[DraftContext, TokenTree], frozenset[int]]
@@ -165,7 +73,9 @@ class SpeculativeDecoder:
 
     # ------------------------------------------------------------------ validation
     def validate(self, req: GenerationRequest) -> AcceptancePolicy:
-        """Raise ValueError naming what is wrong; return the request's acceptance policy."""
+        """Raise ValueError naming what only the model and this decoder know (context, vocabulary,
+        sources, the policy's parameters); return the request's acceptance policy. What a field may
+        hold at all is checked when the request's parameters are built (``draftmesh.io_struct``)."""
         ctx = self.target.max_context
         if len(req.prompt_ids) == 0:
             raise ValueError("prompt is empty")
@@ -183,18 +93,14 @@ class SpeculativeDecoder:
             raise ValueError(f"prompt token ids outside the vocabulary: {bad[:5]}")
         if any(not isinstance(s, str) or not s for s in req.stop):
             raise ValueError("stop strings must be non-empty strings")
-        policy = make_policy(req.policy, req.policy_params, tokenizer=self.target.tokenizer)
+        spec = req.speculation
+        policy = make_policy(spec.policy, spec.policy_params, tokenizer=self.target.tokenizer)
         names = [src.name for src in self.sources]
-        for name in list(req.sources or ()) + list(req.source_caps):
+        for name in list(spec.sources or ()) + list(spec.source_caps):
             if name not in names:
                 raise ValueError(
                     f"unknown draft source {name!r}; this decoder has: {', '.join(names) or 'none'}"
                 )
-        for name, cap in req.source_caps.items():
-            if not isinstance(cap, int) or cap < 0:
-                raise ValueError(f"source cap for {name!r} must be an integer >= 0, got {cap!r}")
-        if req.max_nodes is not None and (not isinstance(req.max_nodes, int) or not 0 <= req.max_nodes <= MAX_TREE_NODES):
-            raise ValueError(f"max_nodes must be an integer in [0, {MAX_TREE_NODES}], got {req.max_nodes!r}")
         return policy
 
     # ------------------------------------------------------------------ the loop
@@ -215,7 +121,7 @@ class SpeculativeDecoder:
         span = self._tracer.start_span("decode", attributes={
             "draftmesh.request_id": req.request_id, "draftmesh.prompt_tokens": len(req.prompt_ids),
             "draftmesh.max_new_tokens": req.max_new_tokens, "draftmesh.policy": policy.name,
-            "draftmesh.lossless": policy.lossless, "draftmesh.speculate": req.speculate,
+            "draftmesh.lossless": policy.lossless, "draftmesh.speculate": req.speculation.enabled,
             "draftmesh.sampling": "greedy" if req.sampling.greedy else "sample",
         })
         outcome = "cancelled"
@@ -259,10 +165,11 @@ class SpeculativeDecoder:
         text = TextStream(target.tokenizer, req.stop)
         generated: list[int] = []
         steps: list[StepRecord] = []
-        active = [src for src in self.sources if req.sources is None or src.name in req.sources]
-        speculate = req.speculate and bool(active) and req.max_nodes != 0
+        spec = req.speculation
+        active = [src for src in self.sources if spec.sources is None or src.name in spec.sources]
+        speculate = spec.enabled and bool(active) and spec.max_nodes != 0
         first_token_s = 0.0
-        finish = None
+        finish: FinishReason | None = None
         while finish is None:
             step_span = (self._tracer.start_span("step", context=trace_ctx)
                          if len(steps) < self.trace_steps else trace.INVALID_SPAN)
@@ -273,7 +180,7 @@ class SpeculativeDecoder:
                 if speculate and remaining > 1:
                     ctx = self._context(req, prompt, generated, size_hint=self.builder.max_nodes)
                     with self._tracer.start_as_current_span("draft") as draft_span:
-                        tree, proposed, failed = self._draft(ctx, active, req.source_caps, state.length, remaining)
+                        tree, proposed, failed = self._draft(ctx, active, spec.source_caps, state.length, remaining)
                         draft_span.set_attribute("draftmesh.tree_size", len(tree))
                 t1 = time.perf_counter()
                 with self._tracer.start_as_current_span("verify") as verify_span:
@@ -337,18 +244,18 @@ class SpeculativeDecoder:
                 if step_span.is_recording():
                     _describe_step(step_span, len(steps), record)
             pending = generated[-1] if generated else pending
-            yield StepEvent(generated[len(generated) - taken :], delta, record)
+            yield StepEvent(tuple(generated[len(generated) - taken :]), delta, record)
         # Only a request that ran to its end puts its cache back: after an exception or a
         # close (cancel) the state may be half-updated, and dropping it is always safe.
         if pool is not None:
             pool.checkin(req.session_id, cached, state)
         final_text = text.final(generated)
         result = GenerationResult(
-            token_ids=generated,
+            token_ids=tuple(generated),
             text=final_text,
             finish_reason=finish,
             prompt_tokens=len(prompt),
-            steps=steps,
+            steps=tuple(steps),
             seconds=time.perf_counter() - t_start,
             first_token_s=first_token_s,
             policy=policy.name,
@@ -361,8 +268,8 @@ class SpeculativeDecoder:
         yield result
 
     def _context(self, req: GenerationRequest, prompt: list[int], generated: list[int], size_hint: int) -> DraftContext:
-        if req.max_nodes is not None:
-            size_hint = min(size_hint, req.max_nodes)
+        if req.speculation.max_nodes is not None:
+            size_hint = min(size_hint, req.speculation.max_nodes)
         ids = tuple(prompt + generated)
         tail = self.target.tokenizer.decode(ids[-TEXT_TAIL_TOKENS:], skip_special_tokens=False)
         return DraftContext(
@@ -384,8 +291,8 @@ class SpeculativeDecoder:
             "top_p": req.sampling.top_p,
             "top_k": req.sampling.top_k,
         }
-        if req.max_nodes is not None:
-            options["max_nodes"] = req.max_nodes
+        if req.speculation.max_nodes is not None:
+            options["max_nodes"] = req.speculation.max_nodes
         return options
 
     def _draft(

@@ -18,13 +18,14 @@ from typing import Any, AsyncIterator, Mapping
 from ray import serve
 
 from draftmesh import tracing
-from draftmesh.config import MeshConfig
-from draftmesh.metrics import RayMetrics
 from draftmesh.backend import TorchTarget
+from draftmesh.config import MeshConfig
+from draftmesh.factcheck.client import FactCheckClient
+from draftmesh.io_struct import ServeRequest
+from draftmesh.metrics import RayMetrics
 from draftmesh.verify.decoder import SpeculativeDecoder
 from draftmesh.verify.engine import decoder_from_config, remote_sources
 from draftmesh.verify.factcheck_link import FactCheckLink
-from draftmesh.verify.messages import ServeRequest
 from draftmesh.verify.metrics import VerifierMetrics
 from draftmesh.verify.replica import VerifierReplica
 from draftmesh.verify.session_kv import SessionKVPool
@@ -51,7 +52,7 @@ class VerifierPool:
         self._cfg, self._target, self._handles = cfg, target, draft_handles
         context = serve.get_replica_context()
         name = f"{socket.gethostname()}/{context.replica_id.unique_id if context else os.getpid()}"
-        self.replica = VerifierReplica(self._new_decoder(), name=name, factcheck=self._factcheck,
+        self.replica = VerifierReplica(self._new_decoder(), name=name, factcheck_link=self._factcheck_link,
                                        factcheck_wait_s=cfg.factcheck_wait_ms / 1000,
                                        metrics=VerifierMetrics(RayMetrics(), name))
         sources = ", ".join(s.name for s in self.replica.decoder.sources)
@@ -61,12 +62,10 @@ class VerifierPool:
         cfg = self._cfg
         pool = SessionKVPool(max_sessions=cfg.session_cache_size) if cfg.session_cache_size else None
         extra = remote_sources(cfg, self._handles, cfg.model)
-        self._factcheck = self._new_factcheck_link() if cfg.factcheck else None
-        return decoder_from_config(self._target, cfg, extra_sources=extra, kv_pool=pool, flag_provider=self._factcheck)
+        self._factcheck_link = self._new_factcheck_link() if cfg.factcheck else None
+        return decoder_from_config(self._target, cfg, extra_sources=extra, kv_pool=pool, flag_provider=self._factcheck_link)
 
     def _new_factcheck_link(self) -> FactCheckLink:
-        from draftmesh.factcheck.client import FactCheckClient
-
         client = FactCheckClient(self._cfg.redis_url, self._cfg.factcheck_config())
         return FactCheckLink(client, self._target.tokenizer)
 
@@ -90,5 +89,5 @@ class VerifierPool:
         if self.replica.stats()["active"]:
             raise RuntimeError("reset_state needs an idle replica")
         old, self.replica.decoder = self.replica.decoder, self._new_decoder()
-        self.replica.factcheck = self._factcheck
+        self.replica.factcheck_link = self._factcheck_link
         old.close()

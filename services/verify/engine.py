@@ -5,15 +5,15 @@ from __future__ import annotations
 
 from typing import Any, Mapping, Sequence
 
+from draftmesh.backend import TorchTarget
 from draftmesh.config import EngineConfig, MeshConfig
 from draftmesh.draft import registry
 from draftmesh.draft.base import DraftSource
 from draftmesh.draft.grpc_source import GrpcDraftSource
 from draftmesh.draft.remote import ServeHandleSource
-from draftmesh.verify.tree_builder import BuilderConfig, CostAwareTreeBuilder, default_aligner
-from draftmesh.backend import TorchTarget
 from draftmesh.verify.decoder import FlagProvider, SpeculativeDecoder
 from draftmesh.verify.session_kv import SessionKVPool
+from draftmesh.verify.tree_builder import BuilderConfig, CostAwareTreeBuilder, default_aligner
 
 
 def build_decoder(

@@ -26,8 +26,8 @@ from typing import Any, Sequence
 from draftmesh import tracing
 from draftmesh.draft.base import DraftContext
 from draftmesh.factcheck.client import FactCheckClient
-from draftmesh.factcheck.findings import Finding
-from draftmesh.factcheck.protocol import Annotation, SpanEntry, annotation_id_for_text
+from draftmesh.factcheck.protocol import SpanEntry, annotation_id_for_text
+from draftmesh.io_struct import FactCheckReport
 from draftmesh.tree import TokenTree
 
 log = logging.getLogger(__name__)
@@ -36,20 +36,6 @@ _tracer = tracing.tracer("draftmesh.verify")
 CONTEXT_CHARS = 64
 """Emitted text put before a draft when looking for learned flagged strings, so that a
 string starting in the output and ending in the draft is still found."""
-
-
-@dataclass
-class FactCheckReport:
-    """What the client sees in ``GenerateResult.factcheck``."""
-
-    status: str
-    """"done", "pending", "skipped", "unavailable" or "failed"."""
-    annotation_id: str = ""
-    findings: list[Finding] = field(default_factory=list)
-    error: str = ""
-    drafts_submitted: int = 0
-    drafts_skipped: int = 0
-    flagged_steps: int = 0
 
 
 @dataclass
@@ -178,30 +164,25 @@ class FactCheckLink:
     def _annotate_output(self, request_id: str, text: str, wait_s: float, enabled: bool) -> FactCheckReport:
         with self._lock:
             state = self._requests.pop(request_id, None) or _RequestState()
-        report = FactCheckReport(status="skipped", drafts_submitted=state.submitted,
-                                 drafts_skipped=state.skipped, flagged_steps=state.flagged_steps)
+        counts = {"drafts_submitted": state.submitted, "drafts_skipped": state.skipped,
+                  "flagged_steps": state.flagged_steps}
         if not enabled:
-            return report
+            return FactCheckReport("skipped", **counts)
         annotation_id = annotation_id_for_text("output", text, request_id=request_id)
-        report.annotation_id = annotation_id
         if not text.strip():
-            report.status = "done"
-            return report
+            return FactCheckReport("done", annotation_id, **counts)
         sent = self.client.submit([SpanEntry(annotation_id=annotation_id, kind="output", text=text,
                                              request_id=request_id, start=0, end=len(text))])
         if not self.client.available or sent.unavailable:
-            report.status = "unavailable"
-            return report
+            return FactCheckReport("unavailable", annotation_id, **counts)
         if sent.skipped_backpressure:
-            report.status = "skipped"
-            report.error = "the fact-check service is behind; this output was not sent"
-            return report
+            return FactCheckReport("skipped", annotation_id, error="the fact-check service is behind; this output was "
+                                   "not sent", **counts)
         annotation = self.client.wait(annotation_id, wait_s) if wait_s > 0 else None
         if annotation is None:
-            report.status = "unavailable" if not self.client.available else "pending"
-            return report
+            return FactCheckReport("unavailable" if not self.client.available else "pending", annotation_id, **counts)
         self._learn([annotation])
-        return report_from_annotation(annotation, report)
+        return annotation.report(**counts)
 
     def forget(self, request_id: str) -> None:
         """Drop a request's state (it ended without a result: cancelled or failed)."""
@@ -233,18 +214,6 @@ class FactCheckLink:
         with self._lock:
             return {"learned_flagged_strings": len(self._learned), "requests": len(self._requests),
                     **self.client.stats()}
-
-
-def report_from_annotation(annotation: Annotation, report: FactCheckReport | None = None) -> FactCheckReport:
-    report = report or FactCheckReport(status="done")
-    report.annotation_id = annotation.annotation_id
-    report.findings = list(annotation.findings)
-    if annotation.status == "done":
-        report.status = "done"
-    else:
-        report.status = "failed"
-        report.error = annotation.error
-    return report
 
 
 _CHECKABLE = re.compile(

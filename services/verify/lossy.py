@@ -39,9 +39,10 @@ from typing import Any, Callable, Sequence
 
 import torch
 
-from draftmesh.verify.acceptance import Verdict
-from draftmesh.sampling import SamplingParams, sample, target_probs
+from draftmesh.io_struct import SamplingParams
+from draftmesh.sampling import sample, target_probs
 from draftmesh.tree import TokenTree
+from draftmesh.verify.acceptance import Verdict
 
 Q_FLOOR = 1e-10
 """``nkl`` clips the draft distribution q to at least this before taking log q."""

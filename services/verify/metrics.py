@@ -6,13 +6,13 @@ Acceptance per source is ``accepted_tokens / tree_nodes`` of the two per-source 
 
 from __future__ import annotations
 
+from draftmesh.io_struct import StepRecord
 from draftmesh.metrics import (
     LATENCY_BUCKETS_S,
     TOKENS_PER_STEP_BUCKETS,
     TREE_SIZE_BUCKETS,
     MetricsBackend,
 )
-from draftmesh.verify.decoder import StepRecord
 
 
 class VerifierMetrics:

@@ -12,10 +12,10 @@ from typing import Any, Callable, Mapping, Protocol
 
 import torch
 
+from draftmesh.io_struct import SamplingParams
+from draftmesh.tree import TokenTree
 from draftmesh.verify.acceptance import Verdict, verify_greedy, verify_sampling
 from draftmesh.verify.lossy import BlockPolicy, NKLPolicy, SemanticPolicy, TypicalPolicy
-from draftmesh.sampling import SamplingParams
-from draftmesh.tree import TokenTree
 
 
 class AcceptancePolicy(Protocol):

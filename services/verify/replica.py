@@ -18,12 +18,19 @@ from typing import AsyncIterator
 from opentelemetry import context as otel_context
 
 from draftmesh import tracing
+from draftmesh.io_struct import (
+    FactCheckReport,
+    GenerationRequest,
+    GenerationResult,
+    Rejected,
+    ServedResult,
+    ServeRequest,
+    StepEvent,
+)
 from draftmesh.prompts import encode_messages, encode_prompt
-from draftmesh.verify.decoder import GenerationRequest, GenerationResult, SpeculativeDecoder, StepEvent
-from draftmesh.verify.factcheck_link import FactCheckLink, FactCheckReport
-from draftmesh.verify.messages import Rejected, ServeRequest
+from draftmesh.verify.decoder import SpeculativeDecoder
+from draftmesh.verify.factcheck_link import FactCheckLink
 from draftmesh.verify.metrics import VerifierMetrics
-from draftmesh.sampling import SamplingParams
 
 log = logging.getLogger(__name__)
 
@@ -46,14 +53,14 @@ class VerifierReplica:
         self,
         decoder: SpeculativeDecoder,
         name: str = "verifier",
-        factcheck: FactCheckLink | None = None,
+        factcheck_link: FactCheckLink | None = None,
         factcheck_wait_s: float = 2.0,
         metrics: VerifierMetrics | None = None,
     ) -> None:
         self.decoder = decoder
         self.name = name
-        self.factcheck = factcheck
-        """Annotates outputs; the decoder's flag provider is the same link (set by the builder)."""
+        self.factcheck_link = factcheck_link
+        """Annotates outputs; the decoder's flag provider is the same link (set by the deployment)."""
         self.factcheck_wait_s = factcheck_wait_s
         self.metrics = metrics
         self._step_lock = threading.Lock()
@@ -68,24 +75,10 @@ class VerifierReplica:
             ids = encode_messages(tokenizer, [{"role": r, "content": c} for r, c in req.messages])
         else:
             ids = encode_prompt(tokenizer, req.prompt or "")
-        return GenerationRequest(
-            prompt_ids=tuple(ids),
-            max_new_tokens=req.max_new_tokens,
-            sampling=SamplingParams(req.temperature, req.top_p, req.top_k, req.seed),
-            stop=tuple(req.stop),
-            speculate=req.speculate,
-            request_id=req.request_id,
-            session_id=req.session_id,
-            documents=tuple(req.documents),
-            policy=req.policy,
-            policy_params=dict(req.policy_params),
-            sources=req.sources,
-            source_caps=dict(req.source_caps),
-            max_nodes=req.max_nodes,
-        )
+        return req.to_generation(tuple(ids))
 
     async def run(self, req: ServeRequest) -> AsyncIterator[StepEvent | GenerationResult | Rejected]:
-        """Yield ``Rejected`` (bad request), or a StepEvent per step and then the result."""
+        """Yield ``Rejected`` (bad request), or a StepEvent per step and then the ``ServedResult``."""
         try:
             gen_req = self.to_generation_request(req)
             self.decoder.validate(gen_req)
@@ -118,14 +111,14 @@ class VerifierReplica:
                         except StopIteration:
                             break
                     if isinstance(event, GenerationResult):  # outside the step lock: others go on
-                        event.factcheck = self._annotate(req, gen_req.request_id, event)
+                        event = ServedResult(event, self.name, self._annotate(req, gen_req.request_id, event))
                     post(event)
             except BaseException as exc:  # reported to the awaiting coroutine, never lost
                 post(exc)
             finally:
                 events.close()
-                if self.factcheck is not None:
-                    self.factcheck.forget(gen_req.request_id)
+                if self.factcheck_link is not None:
+                    self.factcheck_link.forget(gen_req.request_id)
                 post(_DONE)
 
         self._count(active=1)
@@ -146,19 +139,19 @@ class VerifierReplica:
                         self.metrics.step(item.record)
                 else:
                     outcome = "served"
-                    item.replica = self.name
                 yield item
         finally:
             cancel.set()
             self._count(active=-1, **{outcome: 1})
 
-    def _annotate(self, req: ServeRequest, request_id: str, result: GenerationResult):
+    def _annotate(self, req: ServeRequest, request_id: str, result: GenerationResult) -> FactCheckReport | None:
         """The output's fact-check report; never fails the request."""
-        if self.factcheck is None:
+        if self.factcheck_link is None:
             return None
-        wait = self.factcheck_wait_s if req.factcheck_wait_ms is None else req.factcheck_wait_ms / 1000
+        options = req.factcheck_options
+        wait = self.factcheck_wait_s if options.wait_ms is None else options.wait_ms / 1000
         try:
-            return self.factcheck.annotate_output(request_id, result.text, wait, enabled=req.factcheck)
+            return self.factcheck_link.annotate_output(request_id, result.text, wait, enabled=options.enabled)
         except Exception as exc:
             log.exception("fact-check of request %s failed", request_id)
             return FactCheckReport(status="failed", error=f"{type(exc).__name__}: {exc}")
@@ -177,7 +170,7 @@ class VerifierReplica:
             out = asdict(self._stats)
         if self.decoder.kv_pool is not None:
             out["kv_pool"] = self.decoder.kv_pool.stats()
-        if self.factcheck is not None:
-            out["factcheck"] = self.factcheck.stats()
+        if self.factcheck_link is not None:
+            out["factcheck"] = self.factcheck_link.stats()
         out["replica"] = self.name
         return out

@@ -22,11 +22,10 @@ request stops speculating for a cool-down, then probes again.
 from __future__ import annotations
 
 import bisect
+import logging
 from collections import OrderedDict
 from dataclasses import dataclass, field
 from typing import Mapping, Sequence
-
-import logging
 
 from draftmesh.draft.align import TextAligner
 from draftmesh.draft.base import DraftContext, Proposal

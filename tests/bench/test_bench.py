@@ -832,10 +832,10 @@ class EngineGeneration(pb_grpc.GenerationServicer):
         self.requests = []
 
     def Generate(self, request, context):
+        from draftmesh.io_struct import GenerationRequest, GenerationResult, ServedResult, SpeculationParams
         from draftmesh.prompts import encode_messages, encode_prompt
         from draftmesh.router.responses import result_to_proto, step_to_proto
         from draftmesh.v1 import generation_pb2 as pb
-        from draftmesh.verify.decoder import GenerationRequest, GenerationResult
 
         self.requests.append(request)
         tok = self.target.tokenizer
@@ -847,12 +847,12 @@ class EngineGeneration(pb_grpc.GenerationServicer):
         req = GenerationRequest(
             tuple(ids), max_new_tokens=request.max_new_tokens, session_id=request.session_id or None,
             documents=tuple(d.text for d in request.documents),
-            speculate=spec.enabled if spec.HasField("enabled") else True,
+            speculation=SpeculationParams(enabled=spec.enabled if spec.HasField("enabled") else True),
         )
         step = 0
         for event in self.decoder.stream(req):
             if isinstance(event, GenerationResult):
-                yield pb.GenerateResponse(result=result_to_proto(event, "r", "fake"))
+                yield pb.GenerateResponse(result=result_to_proto(ServedResult(event, "fake"), "r"))
             else:
                 step += 1
                 yield step_to_proto(step, event)

@@ -12,17 +12,16 @@ import random
 
 import pytest
 import torch
+from tiny_models import tiny_target
 
+from draftmesh.backend import TorchTarget
 from draftmesh.draft.align import TextAligner
 from draftmesh.draft.base import DraftContext, Proposal
 from draftmesh.draft.llm import LLMSource
-from draftmesh.verify.tree_builder import BuilderConfig, CostAwareTreeBuilder
-from draftmesh.backend import TorchTarget
-from draftmesh.verify.decoder import GenerationRequest, SpeculativeDecoder
-from draftmesh.verify.tree_builder import TrieBuilder
-from draftmesh.sampling import SamplingParams, target_probs
-
-from tiny_models import tiny_target
+from draftmesh.io_struct import GenerationRequest, SamplingParams
+from draftmesh.sampling import target_probs
+from draftmesh.verify.decoder import SpeculativeDecoder
+from draftmesh.verify.tree_builder import BuilderConfig, CostAwareTreeBuilder, TrieBuilder
 
 VOCAB = 64
 ARCHS = ("llama", "gemma3")  # gemma3: sliding window 8, so contexts > 8 test the window masks
@@ -62,7 +61,7 @@ def prompt(seed: int, n: int) -> list[int]:
 
 
 def greedy(target: TorchTarget, ids: list[int], n: int) -> list[int]:
-    return SpeculativeDecoder(target).generate(GenerationRequest(tuple(ids), max_new_tokens=n)).token_ids
+    return list(SpeculativeDecoder(target).generate(GenerationRequest(tuple(ids), max_new_tokens=n)).token_ids)
 
 
 @torch.inference_mode()

@@ -20,8 +20,8 @@ from typing import Callable, Iterator
 
 import redis
 
-from draftmesh.factcheck.findings import Finding
 from draftmesh.factcheck.protocol import SpanEntry
+from draftmesh.io_struct import Finding
 
 _IMPOSSIBLE = re.compile(r"\bFebruary (30|31)\b")
 

@@ -9,7 +9,7 @@ from pathlib import Path
 import pytest
 
 from draftmesh.factcheck.entity_check import EntityChecker, parse_date
-from draftmesh.factcheck.findings import Finding, Mention
+from draftmesh.factcheck.findings import Mention
 from draftmesh.factcheck.wikidata import (
     OfflineEntityStore,
     SearchHit,
@@ -17,6 +17,7 @@ from draftmesh.factcheck.wikidata import (
     WikidataError,
     WikidataUnavailable,
 )
+from draftmesh.io_struct import Finding
 from draftmesh.net import free_port
 
 FIXTURES = Path(__file__).resolve().parents[1] / "fixtures" / "wikidata"

@@ -8,8 +8,8 @@ from decimal import Decimal
 
 import pytest
 
-from draftmesh.factcheck.findings import Finding
 from draftmesh.factcheck.numeric import NumericRule, check_numbers, load_rules, parse_number
+from draftmesh.io_struct import Finding
 
 
 @pytest.fixture(scope="module")

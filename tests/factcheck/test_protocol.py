@@ -8,7 +8,6 @@ import uuid
 
 import pytest
 
-from draftmesh.factcheck.findings import Finding
 from draftmesh.factcheck.protocol import (
     MAX_TEXT_CHARS,
     Annotation,
@@ -17,6 +16,7 @@ from draftmesh.factcheck.protocol import (
     StreamNames,
     annotation_id_for_text,
 )
+from draftmesh.io_struct import Finding
 
 FEB30 = Finding("date", 4, 15, "February 30", "contradicted", label="DATE", rule="impossible_date")
 

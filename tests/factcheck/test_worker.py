@@ -18,9 +18,9 @@ import redis
 
 from draftmesh.config import FactCheckConfig
 from draftmesh.factcheck.client import FactCheckClient
-from draftmesh.factcheck.findings import Finding
 from draftmesh.factcheck.protocol import Annotation, SpanEntry, StreamNames
 from draftmesh.factcheck.worker import Worker, main
+from draftmesh.io_struct import Finding
 from draftmesh.redis_server import EmbeddedRedis
 
 HERE = Path(__file__).parent

@@ -125,8 +125,8 @@ def chat(text: str, max_new_tokens: int = 40, **kw) -> pb.GenerateRequest:
 
 
 def in_process(engine, text: str, max_new_tokens: int):
+    from draftmesh.io_struct import GenerationRequest
     from draftmesh.prompts import encode_messages
-    from draftmesh.verify.decoder import GenerationRequest
 
     ids = encode_messages(engine.target.tokenizer, [{"role": "user", "content": text}])
     return engine.generate(GenerationRequest(tuple(ids), max_new_tokens=max_new_tokens))
@@ -151,7 +151,7 @@ def wait_idle(timeout_s: float = 5.0) -> dict:
 def test_complete_and_generate_equal_the_in_process_engine(stub, engine):
     want = in_process(engine, COPY_PROMPT, 40)
     got = stub.Complete(chat(COPY_PROMPT, 40), metadata=AUTH, timeout=120)
-    assert list(got.token_ids) == want.token_ids
+    assert list(got.token_ids) == list(want.token_ids)
     assert got.text == want.text
     assert got.lossless and got.policy == "exact"
     assert got.usage.completion_tokens == len(want.token_ids)
@@ -163,7 +163,7 @@ def test_complete_and_generate_equal_the_in_process_engine(stub, engine):
     assert len(results) == 1 and events[-1].HasField("result")
     final = results[0]
     assert "".join(d.text for d in deltas) == final.text == want.text
-    assert [t for d in deltas for t in d.token_ids] == list(final.token_ids) == want.token_ids
+    assert [t for d in deltas for t in d.token_ids] == list(final.token_ids) == list(want.token_ids)
     assert len(deltas) == final.usage.steps
     assert [d.stats.step for d in deltas] == list(range(1, len(deltas) + 1))
     assert final.mean_accepted_per_step == pytest.approx(len(final.token_ids) / final.usage.steps)
@@ -174,7 +174,7 @@ def test_faulty_sources_degrade_not_kill(stub, engine):
     prompt = COPY_PROMPT.replace("fox", "wolf")  # not in the answer store yet
     want = in_process(engine, prompt, 32)
     got = stub.Complete(chat(prompt, 32), metadata=AUTH, timeout=120)
-    assert list(got.token_ids) == want.token_ids
+    assert list(got.token_ids) == list(want.token_ids)
     stats = {s.source: s for s in got.sources}
     assert {"boom", "stuck", "down", "extern"} <= set(stats), got.sources
     for name in ("boom", "stuck", "down"):
@@ -187,18 +187,17 @@ def test_faulty_sources_degrade_not_kill(stub, engine):
 
 def test_seeded_plain_sampling_through_the_mesh_matches_in_process(stub, engine):
     """A seed fixes the sample given the drafts; with speculation off it is fully reproducible."""
+    from draftmesh.io_struct import GenerationRequest, SamplingParams, SpeculationParams
     from draftmesh.prompts import encode_messages
-    from draftmesh.verify.decoder import GenerationRequest
-    from draftmesh.sampling import SamplingParams
 
     text = "Write a short poem about rivers."
     req = chat(text, 24, temperature=0.8, top_p=0.95, seed=7, speculation=pb.Speculation(enabled=False))
     a = stub.Complete(req, metadata=AUTH, timeout=120)
     b = stub.Complete(req, metadata=AUTH, timeout=120)
     ids = encode_messages(engine.target.tokenizer, [{"role": "user", "content": text}])
-    want = engine.generate(GenerationRequest(tuple(ids), max_new_tokens=24, speculate=False,
-                                             sampling=SamplingParams(0.8, 0.95, 0, 7)))
-    assert list(a.token_ids) == list(b.token_ids) == want.token_ids
+    want = engine.generate(GenerationRequest(tuple(ids), max_new_tokens=24, sampling=SamplingParams(0.8, 0.95, 0, 7),
+                                             speculation=SpeculationParams(enabled=False)))
+    assert list(a.token_ids) == list(b.token_ids) == list(want.token_ids)
 
 
 def test_documents_and_speculation_options_are_honoured(stub, engine):
@@ -333,7 +332,7 @@ def test_cancelled_stream_stops_the_verifier(stub):
 
 def test_concurrent_clients_get_correct_outputs_and_excess_is_refused(stub, engine):
     prompts = [f"Count from {i} to {i + 6}, separated by commas." for i in range(8)]
-    want = {p: in_process(engine, p, 24).token_ids for p in prompts}
+    want = {p: list(in_process(engine, p, 24).token_ids) for p in prompts}
     with ThreadPoolExecutor(8) as pool:
         got = list(pool.map(lambda p: stub.Complete(chat(p, 24), metadata=AUTH, timeout=300), prompts))
     for p, g in zip(prompts, got):
@@ -398,7 +397,7 @@ def test_factcheck_rpc_bad_input(stub, request_msg, code, needle):
 def test_generate_reports_the_output_factcheck(stub, engine):
     text = "Repeat exactly: " + FACTS
     got = stub.Complete(chat(text, 40, factcheck=pb.FactCheckOptions(wait_ms=20_000)), metadata=AUTH, timeout=120)
-    assert list(got.token_ids) == in_process(engine, text, 40).token_ids  # annotating changes nothing
+    assert list(got.token_ids) == list(in_process(engine, text, 40).token_ids)  # annotating changes nothing
     assert got.factcheck.status == "done", got.factcheck
     assert all(got.text[a.start:a.end] == a.text for a in got.factcheck.annotations)
     # The same checks as an on-demand FactCheck of the same text.
@@ -564,7 +563,7 @@ def test_a_lost_verifier_replica_fails_its_request_cleanly_and_the_session_is_re
 
     # Serve replaces the replica; the session's KV is gone, so it is recomputed: same output.
     again = stub.Complete(chat(text, 16, session_id="sess-lost"), metadata=AUTH, timeout=300)
-    assert list(again.token_ids) == list(first.token_ids) == in_process(engine, text, 16).token_ids
+    assert list(again.token_ids) == list(first.token_ids) == list(in_process(engine, text, 16).token_ids)
     assert again.replica != first.replica
 
 
@@ -573,7 +572,7 @@ def test_without_redis_generation_goes_on_and_annotations_say_unavailable(mesh, 
     mesh.redis.stop()
     text = "Name three primary colours."
     got = stub.Complete(chat(text, 16), metadata=AUTH, timeout=120)
-    assert list(got.token_ids) == in_process(engine, text, 16).token_ids
+    assert list(got.token_ids) == list(in_process(engine, text, 16).token_ids)
     assert got.factcheck.status == "unavailable"
     lossy = stub.Complete(chat(text, 16, speculation=pb.Speculation(policy="typical")), metadata=AUTH, timeout=120)
     assert lossy.factcheck.status == "unavailable" and lossy.lenient_tokens == 0  # unknown flags: exact only

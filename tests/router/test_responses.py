@@ -4,9 +4,9 @@ from __future__ import annotations
 
 import pytest
 
+from draftmesh.io_struct import GenerationResult, ServedResult, StepEvent, StepRecord
 from draftmesh.router.responses import result_to_proto, step_to_proto
 from draftmesh.v1 import generation_pb2 as pb
-from draftmesh.verify.decoder import GenerationResult, StepEvent, StepRecord
 
 
 def records() -> list[StepRecord]:
@@ -43,8 +43,8 @@ def test_step_with_empty_text():
 
 def make_result(**overrides) -> GenerationResult:
     fields = dict(
-        token_ids=[1, 2, 3, 4, 5, 6, 7, 8], text="hello world", finish_reason="eos", prompt_tokens=20,
-        steps=records(), seconds=0.25, first_token_s=0.012, policy="typical", lossless=False,
+        token_ids=(1, 2, 3, 4, 5, 6, 7, 8), text="hello world", finish_reason="eos", prompt_tokens=20,
+        steps=tuple(records()), seconds=0.25, first_token_s=0.012, policy="typical", lossless=False,
         lenient_tokens=1, reused_tokens=12,
     )
     fields.update(overrides)
@@ -52,7 +52,7 @@ def make_result(**overrides) -> GenerationResult:
 
 
 def test_result_to_proto():
-    res = result_to_proto(make_result(), "req-9", "verifier-0")
+    res = result_to_proto(ServedResult(make_result(), "verifier-0"), "req-9")
     assert isinstance(res, pb.GenerateResult)
     assert (res.request_id, res.replica, res.text, res.finish_reason) == ("req-9", "verifier-0", "hello world", "eos")
     assert list(res.token_ids) == [1, 2, 3, 4, 5, 6, 7, 8]
@@ -74,20 +74,10 @@ def test_result_to_proto():
     assert pb.GenerateResponse.FromString(wrapped.SerializeToString()).result == res
 
 
-def test_plain_result_and_missing_reused_tokens():
-    res = make_result(token_ids=[4, 5], steps=[records()[1], records()[1]], policy="exact", lossless=True,
+def test_plain_result():
+    res = make_result(token_ids=(4, 5), steps=(records()[1], records()[1]), policy="exact", lossless=True,
                       lenient_tokens=0, reused_tokens=0, finish_reason="length")
-    out = result_to_proto(res, "r", "")
+    out = result_to_proto(ServedResult(res, ""), "r")
     assert out.usage.steps == 2 and out.mean_accepted_per_step == 1.0 and len(out.sources) == 0
     assert out.lossless and out.policy == "exact" and out.finish_reason == "length"
-
-    class Old:  # a result object from before reused_tokens existed
-        def __getattr__(self, name):
-            if name == "reused_tokens":
-                raise AttributeError(name)
-            return getattr(res, name)
-
-        def source_stats(self):
-            return res.source_stats()
-
-    assert result_to_proto(Old(), "r", "").usage.cached_prompt_tokens == 0
+    assert out.usage.cached_prompt_tokens == 0 and not out.HasField("factcheck")

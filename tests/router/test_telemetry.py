@@ -7,16 +7,16 @@ import asyncio
 import grpc
 import pytest
 
+from draftmesh.io_struct import GenerationResult, ServedResult, StepRecord
 from draftmesh.metrics import MemoryMetrics
 from draftmesh.router.ingress import RpcError
 from draftmesh.router.telemetry import RouterMetrics, RpcCall
-from draftmesh.verify.decoder import GenerationResult, StepRecord
 
 
-def result(tokens: int, policy: str = "exact", lenient: int = 0) -> GenerationResult:
-    steps = [StepRecord(tree_size=4, accepted=1, emitted=2, draft_s=0.001, verify_s=0.01)] * (tokens // 2)
-    return GenerationResult(list(range(tokens)), "x", "length", 5, steps, 0.5, 0.1, policy=policy,
-                            lossless=policy == "exact", lenient_tokens=lenient)
+def result(tokens: int, policy: str = "exact", lenient: int = 0) -> ServedResult:
+    steps = (StepRecord(tree_size=4, accepted=1, emitted=2, draft_s=0.001, verify_s=0.01),) * (tokens // 2)
+    return ServedResult(GenerationResult(tuple(range(tokens)), "x", "length", 5, steps, 0.5, 0.1, policy=policy,
+                                         lossless=policy == "exact", lenient_tokens=lenient), "verifier-0")
 
 
 def finish(call: RpcCall, exc: BaseException | None = None) -> None:

@@ -9,9 +9,9 @@ from concurrent import futures
 
 import grpc
 import pytest
+from tls_certs import self_signed
 
 from draftmesh.client import MeshClient, build_request
-from tls_certs import self_signed
 from draftmesh.router.tls_gateway import (
     TlsConfigError,
     TlsGateway,

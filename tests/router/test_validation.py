@@ -7,10 +7,10 @@ import re
 import pytest
 
 from draftmesh.config import MeshConfig
+from draftmesh.io_struct import FactCheckOptions, SamplingParams, ServeRequest, SpeculationParams
 from draftmesh.router.validation import InvalidRequest, RequestLimits, parse_request
-from draftmesh.v1 import generation_pb2 as pb
-from draftmesh.verify.messages import ServeRequest
 from draftmesh.tree import MAX_TREE_NODES
+from draftmesh.v1 import generation_pb2 as pb
 
 LIMITS = RequestLimits(
     max_prompt_bytes=100, max_documents=2, max_document_bytes=50, max_stop_strings=2, default_max_new_tokens=64
@@ -86,9 +86,9 @@ BAD = [
      "unknown draft source 'llm'; this mesh serves: history, rules, rag"),
     (dict(speculation=spec(sources=["rag", "rag"])), "speculation.sources[1]", "listed twice"),
     (dict(speculation=spec(source_caps={"nope": 3})), "speculation.source_caps[nope]", "unknown draft source"),
-    (dict(speculation=spec(source_caps={"rag": 1000})), "speculation.source_caps[rag]", "must be in [0, 256], got 1000"),
+    (dict(speculation=spec(source_caps={"rag": 1000})), "speculation.source_caps[rag]", "must be an integer in [0, 256], got 1000"),
     (dict(speculation=spec(max_nodes=MAX_TREE_NODES + 1)), "speculation.max_nodes",
-     f"must be in [0, {MAX_TREE_NODES}], got {MAX_TREE_NODES + 1}"),
+     f"must be an integer in [0, {MAX_TREE_NODES}], got {MAX_TREE_NODES + 1}"),
     (dict(speculation=spec(policy="yolo")), "speculation.policy", "available: block, exact, nkl, typical"),
     (dict(speculation=spec(policy="typical", policy_params={"": "1"})), "speculation.policy_params", "names"),
     (dict(speculation=spec(policy="typical", policy_params={f"k{i}": "1" for i in range(17)})),
@@ -112,7 +112,7 @@ def test_bad_requests_name_the_field_and_rule(fields, field, rule):
 
 
 def test_message_format_example():
-    with pytest.raises(InvalidRequest, match=re.escape(f"speculation.max_nodes: must be in [0, {MAX_TREE_NODES}], got 5000")):
+    with pytest.raises(InvalidRequest, match=re.escape(f"speculation.max_nodes: must be an integer in [0, {MAX_TREE_NODES}], got 5000")):
         parse(base(speculation=spec(max_nodes=5000)))
 
 
@@ -125,10 +125,9 @@ def test_defaults():
     out = parse(base())
     assert out == ServeRequest(request_id=out.request_id, prompt="Hello there", max_new_tokens=64)
     assert re.fullmatch(r"[0-9a-f]{32}", out.request_id)
-    assert out.messages is None and out.seed is None and out.session_id is None
-    assert out.speculate is True and out.sources is None and out.max_nodes is None
-    assert out.policy == "exact" and out.policy_params == {} and out.source_caps == {}
-    assert out.temperature == 0.0 and out.top_p == 1.0 and out.top_k == 0
+    assert out.messages is None and out.sampling == SamplingParams() and out.session_id is None
+    assert out.speculation == SpeculationParams() and out.factcheck_options == FactCheckOptions()
+    assert (out.sampling.temperature, out.sampling.top_p, out.sampling.top_k) == (0.0, 1.0, 0)
     assert parse(base()).request_id != out.request_id
 
 
@@ -167,21 +166,20 @@ def test_full_request_round_trip():
         prompt=None,
         messages=(("system", "Be brief."), ("user", "Fix: teh cat"), ("assistant", "the cat"), ("user", "again")),
         max_new_tokens=128,
-        temperature=0.7,
-        top_p=0.9,
-        top_k=40,
-        seed=2**64 - 1,
+        sampling=SamplingParams(temperature=0.7, top_p=0.9, top_k=40, seed=2**64 - 1),
         stop=("\n\n", "ünd"),
         session_id="sess-42",
         documents=("The cat sat.", "Ünïcödé passage"),
-        speculate=False,
-        sources=("rag", "history"),
-        source_caps={"rag": 16, "history": 0},
-        max_nodes=0,
-        policy="typical",
-        policy_params={"epsilon": 0.3, "delta": 1, "flag": True, "mode": "fast", "neg": -0.25},
+        speculation=SpeculationParams(
+            enabled=False,
+            sources=("rag", "history"),
+            source_caps={"history": 0, "rag": 16},
+            max_nodes=0,
+            policy="typical",
+            policy_params={"epsilon": 0.3, "delta": 1, "flag": True, "mode": "fast", "neg": -0.25},
+        ),
     )
-    assert type(out.policy_params["delta"]) is int
+    assert type(out.speculation.policy_params["delta"]) is int
     assert isinstance(out.messages, tuple) and all(isinstance(m, tuple) for m in out.messages)
 
 
@@ -197,12 +195,13 @@ def test_limits_at_the_edge_are_accepted():
         session_id="s" * 128,
         speculation=spec(enabled=True, max_nodes=MAX_TREE_NODES, source_caps={"rules": 256}),
     ))
-    assert out.max_new_tokens == 8192 and out.max_nodes == MAX_TREE_NODES and out.speculate is True
-    assert out.source_caps == {"rules": 256} and len(out.documents) == 2
+    assert out.max_new_tokens == 8192 and out.speculation.max_nodes == MAX_TREE_NODES and out.speculation.enabled
+    assert out.speculation.source_caps == {"rules": 256} and len(out.documents) == 2
+    assert out.sampling.temperature == 100.0
 
 
 def test_policy_is_exact_when_empty_even_if_not_listed():
-    assert parse_request(base(), LIMITS, sources=SOURCES, policies=()).policy == "exact"
+    assert parse_request(base(), LIMITS, sources=SOURCES, policies=()).speculation.policy == "exact"
 
 
 def test_messages_may_end_with_assistant_prefill():
@@ -223,12 +222,11 @@ def test_limits_from_config():
 
 # ---------------------------------------------------------------------- fact-check
 def test_factcheck_options_default_and_explicit():
-    req = parse(base())
-    assert req.factcheck is True and req.factcheck_wait_ms is None
+    assert parse(base()).factcheck_options == FactCheckOptions(enabled=True, wait_ms=None)
     req = parse(base(factcheck=pb.FactCheckOptions(enabled=False, wait_ms=0)))
-    assert req.factcheck is False and req.factcheck_wait_ms == 0
+    assert req.factcheck_options == FactCheckOptions(enabled=False, wait_ms=0)
     req = parse(base(factcheck=pb.FactCheckOptions(wait_ms=60_000)))
-    assert req.factcheck is True and req.factcheck_wait_ms == 60_000
+    assert req.factcheck_options == FactCheckOptions(enabled=True, wait_ms=60_000)
 
 
 def test_factcheck_wait_beyond_the_cap_is_invalid():

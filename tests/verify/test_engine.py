@@ -5,10 +5,10 @@ from __future__ import annotations
 import random
 
 import pytest
-
-from draftmesh.verify.engine import build_decoder
-from draftmesh.verify.decoder import GenerationRequest
 from tiny_models import tiny_target
+
+from draftmesh.io_struct import GenerationRequest, SpeculationParams
+from draftmesh.verify.engine import build_decoder
 
 
 @pytest.fixture(scope="module")
@@ -41,15 +41,15 @@ def test_per_request_source_selection_caps_and_switches(target, decoders):
     plain, spec = decoders
     prompt = (5, 6, 7, 8, 5, 6, 7, 8, 5, 6)
     spec.generate(GenerationRequest(prompt, max_new_tokens=16))  # remembered by history
-    only_rules = spec.generate(GenerationRequest(prompt, max_new_tokens=16, sources=("rules",)))
+    only_rules = spec.generate(GenerationRequest(prompt, max_new_tokens=16, speculation=SpeculationParams(sources=("rules",))))
     assert all("history" not in s.proposed_by_source for s in only_rules.steps)
-    off = spec.generate(GenerationRequest(prompt, max_new_tokens=16, speculate=False))
+    off = spec.generate(GenerationRequest(prompt, max_new_tokens=16, speculation=SpeculationParams(enabled=False)))
     assert all(s.tree_size == 0 for s in off.steps)
-    zero = spec.generate(GenerationRequest(prompt, max_new_tokens=16, max_nodes=0))
+    zero = spec.generate(GenerationRequest(prompt, max_new_tokens=16, speculation=SpeculationParams(max_nodes=0)))
     assert all(s.tree_size == 0 for s in zero.steps)
-    capped = spec.generate(GenerationRequest(prompt, max_new_tokens=16, max_nodes=2))
+    capped = spec.generate(GenerationRequest(prompt, max_new_tokens=16, speculation=SpeculationParams(max_nodes=2)))
     assert all(s.tree_size <= 2 for s in capped.steps)
-    one = spec.generate(GenerationRequest(prompt, max_new_tokens=16, source_caps={"history": 1}))
+    one = spec.generate(GenerationRequest(prompt, max_new_tokens=16, speculation=SpeculationParams(source_caps={"history": 1})))
     assert all(s.tree_size <= 1 + 8 for s in one.steps)  # history adds at most one node
     want = plain.generate(GenerationRequest(prompt, max_new_tokens=16)).token_ids
     assert only_rules.token_ids == off.token_ids == zero.token_ids == capped.token_ids == one.token_ids == want
@@ -60,15 +60,15 @@ def test_per_request_source_selection_caps_and_switches(target, decoders):
     [
         (dict(sources=("nope",)), "unknown draft source 'nope'"),
         (dict(source_caps={"nope": 2}), "unknown draft source 'nope'"),
-        (dict(source_caps={"rules": -1}), "source cap for 'rules'"),
-        (dict(max_nodes=-2), "max_nodes must be an integer"),
-        (dict(max_nodes=5000), "max_nodes must be an integer"),
+        (dict(source_caps={"rules": -1}), r"speculation.source_caps\[rules\]: must be an integer"),
+        (dict(max_nodes=-2), "speculation.max_nodes: must be an integer"),
+        (dict(max_nodes=5000), "speculation.max_nodes: must be an integer"),
         (dict(policy="yolo"), "unknown acceptance policy 'yolo'"),
     ],
 )
 def test_bad_request_options(decoders, kwargs, message):
     with pytest.raises(ValueError, match=message):
-        decoders[1].generate(GenerationRequest((1, 2, 3), max_new_tokens=4, **kwargs))
+        decoders[1].generate(GenerationRequest((1, 2, 3), max_new_tokens=4, speculation=SpeculationParams(**kwargs)))
 
 
 def test_unknown_source_names_in_config_are_errors(target):
@@ -82,8 +82,9 @@ def test_unknown_source_names_in_config_are_errors(target):
 
 @pytest.mark.slow
 def test_smollm2_all_sources_greedy_equals_plain(smollm2):
-    from draftmesh.prompts import encode_messages
     from real_models import PROMPTS, assert_identical_or_near_tie
+
+    from draftmesh.prompts import encode_messages
 
     plain, spec = build_decoder(smollm2, []), build_decoder(smollm2)
     for text in PROMPTS[:3] + PROMPTS[:1]:  # the last one repeats: answer-store drafts

@@ -16,8 +16,8 @@ from draftmesh.draft.base import DraftContext
 from draftmesh.factcheck.client import FactCheckClient
 from draftmesh.factcheck.protocol import annotation_id_for_text
 from draftmesh.net import free_port
-from draftmesh.verify.factcheck_link import FactCheckLink
 from draftmesh.tree import TokenTree
+from draftmesh.verify.factcheck_link import FactCheckLink
 
 WRONG = " Ada Lovelace was born on February 30, 2023 in London."
 RIGHT = " Ada Lovelace was born on March 3, 2023 in London."
@@ -187,8 +187,9 @@ class ScriptSource:
 
 @pytest.mark.slow
 def test_a_lossy_policy_never_accepts_a_flagged_draft_leniently(smollm2, service):
+    from draftmesh.io_struct import GenerationRequest, SpeculationParams
     from draftmesh.prompts import encode_messages
-    from draftmesh.verify.decoder import GenerationRequest, SpeculativeDecoder
+    from draftmesh.verify.decoder import SpeculativeDecoder
 
     _, client = service
     tokenizer = smollm2.tokenizer
@@ -196,7 +197,7 @@ def test_a_lossy_policy_never_accepts_a_flagged_draft_leniently(smollm2, service
     script = tokenizer.encode(text, add_special_tokens=False)
     prompt = tuple(encode_messages(tokenizer, [{"role": "user", "content": "Tell me one fact."}]))
     # typical with epsilon 0 takes any token the target gives p > 0: the whole draft.
-    req = GenerationRequest(prompt, max_new_tokens=len(script) + 4, policy="typical", policy_params={"epsilon": 0.0})
+    req = GenerationRequest(prompt, max_new_tokens=len(script) + 4, speculation=SpeculationParams(policy="typical", policy_params={"epsilon": 0.0}))
     unguarded = SpeculativeDecoder(smollm2, [ScriptSource(script)]).generate(req)
     assert unguarded.text.startswith(text) and unguarded.lenient_tokens > 0
 
@@ -211,7 +212,7 @@ def test_a_lossy_policy_never_accepts_a_flagged_draft_leniently(smollm2, service
     # Up to the flagged figure the draft is still taken (leniently); from the flagged node
     # on, every token is the target's own greedy choice.
     k = min(nodes_over(tokenizer, tree, "30"))
-    assert guarded.token_ids[:k] == script[:k] and guarded.lenient_tokens > 0
+    assert list(guarded.token_ids[:k]) == script[:k] and guarded.lenient_tokens > 0
     greedy = SpeculativeDecoder(smollm2).generate(
         GenerationRequest(prompt + tuple(script[:k]), max_new_tokens=len(guarded.token_ids) - k)
     )

@@ -7,7 +7,8 @@ import random
 import pytest
 
 from draftmesh.draft.base import DraftContext, Proposal
-from draftmesh.verify.decoder import GenerationRequest, SpeculativeDecoder
+from draftmesh.io_struct import GenerationRequest
+from draftmesh.verify.decoder import SpeculativeDecoder
 from draftmesh.verify.tree_builder import TrieBuilder
 
 MODES = ("all_right", "all_wrong", "deep_chain", "wide", "duplicates", "mix")
@@ -97,5 +98,5 @@ def test_streamed_deltas_concatenate_to_the_final_text(tiny):
     result = events[-1]
     streamed = "".join(e.text for e in events[:-1])
     assert streamed == result.text == free.text
-    assert [t for e in events[:-1] for t in e.token_ids] == result.token_ids
+    assert tuple(t for e in events[:-1] for t in e.token_ids) == result.token_ids
     assert sum(e.record.emitted for e in events[:-1]) == len(result.token_ids)

@@ -8,9 +8,9 @@ import asyncio
 import pytest
 
 from draftmesh.draft.base import DraftContext, Proposal
+from draftmesh.io_struct import ServedResult, ServeRequest, StepEvent
 from draftmesh.metrics import MemoryMetrics
-from draftmesh.verify.decoder import GenerationResult, SpeculativeDecoder, StepEvent
-from draftmesh.verify.messages import ServeRequest
+from draftmesh.verify.decoder import SpeculativeDecoder
 from draftmesh.verify.metrics import VerifierMetrics
 from draftmesh.verify.replica import VerifierReplica
 from draftmesh.verify.tree_builder import TrieBuilder
@@ -66,16 +66,18 @@ def llama():
 def test_replica_records_steps_sources_and_queue_depth(llama):
     req = ServeRequest("r1", prompt="w5 w6 w7 w8", max_new_tokens=20)
     plain = SpeculativeDecoder(llama)
-    reference = run(VerifierReplica(plain), req)[-1].token_ids
+    reference = run(VerifierReplica(plain), req)[-1].result.token_ids
     decoder = SpeculativeDecoder(llama, [Oracle(reference), Wrong(reference, llama.vocab_size), Broken()],
                                  TrieBuilder(max_nodes=16))
     backend = MemoryMetrics()
     replica = VerifierReplica(decoder, name="r0", metrics=VerifierMetrics(backend, "r0"))
     events = run(replica, req)
-    result = events[-1]
-    assert isinstance(result, GenerationResult) and result.token_ids == reference
+    served = events[-1]
+    assert isinstance(served, ServedResult) and served.replica == "r0"
+    result = served.result
+    assert result.token_ids == reference
     steps = [e.record for e in events if isinstance(e, StepEvent)]
-    assert steps == result.steps and len(steps) < len(reference)  # the oracle's drafts were used
+    assert tuple(steps) == result.steps and len(steps) < len(reference)  # the oracle's drafts were used
 
     tags = {"replica": "r0"}
     assert backend.value("draftmesh_steps", **tags) == len(steps)

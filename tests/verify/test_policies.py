@@ -8,15 +8,14 @@ import math
 
 import pytest
 import torch
+from tiny_models import tiny_target
 
 from draftmesh.draft.base import DraftContext, Proposal
-from draftmesh.verify.decoder import GenerationRequest, SpeculativeDecoder
+from draftmesh.io_struct import GenerationRequest, SamplingParams, SpeculationParams
+from draftmesh.tree import QDraw, TokenTree
+from draftmesh.verify.decoder import SpeculativeDecoder
 from draftmesh.verify.lossy import BlockPolicy, NKLPolicy, SemanticPolicy, TypicalPolicy, best_path
 from draftmesh.verify.policy import make_policy
-from draftmesh.sampling import SamplingParams
-from draftmesh.tree import QDraw, TokenTree
-
-from tiny_models import tiny_target
 
 GREEDY = SamplingParams()
 T1 = SamplingParams(temperature=1.0)
@@ -545,11 +544,11 @@ def test_end_to_end_typical_is_lossy_exact_is_not(tiny_llama):
     plain = SpeculativeDecoder(tiny_llama).generate(GenerationRequest(prompt, max_new_tokens=24))
     spec = SpeculativeDecoder(tiny_llama, [NearMissSource(tiny_llama)])
 
-    exact = spec.generate(GenerationRequest(prompt, max_new_tokens=24, policy="exact"))
+    exact = spec.generate(GenerationRequest(prompt, max_new_tokens=24, speculation=SpeculationParams(policy="exact")))
     assert exact.token_ids == plain.token_ids
     assert exact.lossless is True and exact.lenient_tokens == 0 and exact.policy == "exact"
 
-    lossy = spec.generate(GenerationRequest(prompt, max_new_tokens=24, policy="typical"))
+    lossy = spec.generate(GenerationRequest(prompt, max_new_tokens=24, speculation=SpeculationParams(policy="typical")))
     assert lossy.policy == "typical" and lossy.lossless is False
     assert lossy.lenient_tokens > 0
     assert lossy.lenient_tokens == sum(s.lenient for s in lossy.steps)
@@ -560,5 +559,5 @@ def test_end_to_end_typical_is_lossy_exact_is_not(tiny_llama):
     flagged = SpeculativeDecoder(
         tiny_llama, [NearMissSource(tiny_llama)], flag_provider=lambda ctx, tree: frozenset(range(len(tree)))
     )
-    guarded = flagged.generate(GenerationRequest(prompt, max_new_tokens=24, policy="typical"))
+    guarded = flagged.generate(GenerationRequest(prompt, max_new_tokens=24, speculation=SpeculationParams(policy="typical")))
     assert guarded.lenient_tokens == 0 and guarded.token_ids == plain.token_ids and guarded.lossless is False

@@ -3,12 +3,13 @@
 from __future__ import annotations
 
 import pytest
-
-from draftmesh.draft.prompt_lookup import PromptLookupSource
-from draftmesh.backend import TorchTarget
-from draftmesh.verify.decoder import GenerationRequest, SpeculativeDecoder
-from draftmesh.verify.tree_builder import TrieBuilder
 from real_models import PROMPTS, assert_identical_or_near_tie, chat_ids
+
+from draftmesh.backend import TorchTarget
+from draftmesh.draft.prompt_lookup import PromptLookupSource
+from draftmesh.io_struct import GenerationRequest
+from draftmesh.verify.decoder import SpeculativeDecoder
+from draftmesh.verify.tree_builder import TrieBuilder
 
 pytestmark = pytest.mark.slow
 

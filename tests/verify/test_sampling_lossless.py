@@ -14,15 +14,15 @@ import random
 import pytest
 import torch
 from scipy.stats import chisquare
+from tiny_models import tiny_target
 
+from draftmesh.backend import KVState
+from draftmesh.io_struct import GenerationRequest, SamplingParams
+from draftmesh.sampling import sample, target_probs
+from draftmesh.tree import QDraw, TokenTree
 from draftmesh.verify import acceptance
 from draftmesh.verify.acceptance import verify_sampling
-from draftmesh.backend import KVState
-from draftmesh.verify.decoder import GenerationRequest, SpeculativeDecoder
-from draftmesh.sampling import SamplingParams, sample, target_probs
-from draftmesh.tree import TokenTree, QDraw
-
-from tiny_models import tiny_target
+from draftmesh.verify.decoder import SpeculativeDecoder
 
 VOCAB = 16
 PROMPT = [3, 7, 2, 9]

@@ -8,12 +8,12 @@ import threading
 import pytest
 import torch
 
+from draftmesh.backend import KVState
 from draftmesh.draft.base import DraftContext, Proposal
 from draftmesh.draft.history import HistorySource
 from draftmesh.draft.prompt_lookup import PromptLookupSource
-from draftmesh.backend import KVState
-from draftmesh.verify.decoder import GenerationRequest, SpeculativeDecoder
-from draftmesh.sampling import SamplingParams
+from draftmesh.io_struct import GenerationRequest, SamplingParams
+from draftmesh.verify.decoder import SpeculativeDecoder
 from draftmesh.verify.session_kv import SessionKVPool
 from draftmesh.verify.tree_builder import TrieBuilder
 
@@ -64,7 +64,7 @@ def test_two_turns_reuse_the_previous_turn_and_match_plain_decoding(tiny):
         assert got.reused_tokens == expected_reuse
         # plain decoding leaves the prompt and all but the last output token in the cache
         expected_reuse = len(prompt) + len(got.token_ids) - 1
-        prompt = prompt + got.token_ids + random_ids(rng, tiny.vocab_size, 5)
+        prompt = prompt + list(got.token_ids) + random_ids(rng, tiny.vocab_size, 5)
     assert pool.stats()["hits"] == 2 and pool.stats()["misses"] == 1
     assert len(pool) == 1
 
@@ -76,7 +76,7 @@ def test_pooled_cache_equals_a_fresh_prefill(tiny):
     decoder = SpeculativeDecoder(tiny, [PromptLookupSource()], kv_pool=pool)
     prompt = random_ids(rng, tiny.vocab_size, 8) * 3
     result = decoder.generate(GenerationRequest(tuple(prompt), max_new_tokens=20, session_id="s"))
-    follow = prompt + result.token_ids + random_ids(rng, tiny.vocab_size, 6)
+    follow = prompt + list(result.token_ids) + random_ids(rng, tiny.vocab_size, 6)
     state, cached = pool.checkout("s", follow[:-1])
     assert cached == follow[: len(cached)] and len(cached) >= len(prompt)
     assert_cache_equals_prefill(tiny, state, cached)
@@ -178,13 +178,13 @@ def test_stop_string_cut_leaves_a_consistent_entry(tiny):
         got = spec.generate(GenerationRequest(tuple(prompt), max_new_tokens=20, stop=(stop,), session_id="s"))
         assert got.finish_reason == "stop"
         assert got.token_ids == plain.generate(GenerationRequest(tuple(prompt), max_new_tokens=20, stop=(stop,))).token_ids
-        state, cached = pool.checkout("s", prompt + free.token_ids)
+        state, cached = pool.checkout("s", prompt + list(free.token_ids))
         assert state.length == len(cached) > len(prompt) + len(got.token_ids)
-        assert cached == (prompt + free.token_ids)[: len(cached)]
+        assert cached == (prompt + list(free.token_ids))[: len(cached)]
         assert_cache_equals_prefill(tiny, state, cached)
         # the next turn continues from the cut answer; reuse stops where it diverges
         pool.checkin("s", cached, state)
-        follow = prompt + got.token_ids + random_ids(rng, tiny.vocab_size, 4)
+        follow = prompt + list(got.token_ids) + random_ids(rng, tiny.vocab_size, 4)
         again = spec.generate(GenerationRequest(tuple(follow), max_new_tokens=8, session_id="s"))
         assert again.reused_tokens >= len(prompt) + len(got.token_ids)
         assert again.token_ids == plain.generate(GenerationRequest(tuple(follow), max_new_tokens=8)).token_ids
@@ -246,6 +246,6 @@ def test_speculation_with_the_pool_matches_decoding_without_it(tiny, source, tem
                 assert got.token_ids == plain.generate(req).token_ids
             assert (got.reused_tokens > 0) == (turn > 0) and want.reused_tokens == 0
             accepted += sum(step.accepted for step in got.steps)
-            sessions[sid] = prompt + got.token_ids + prompt[:4]
+            sessions[sid] = prompt + list(got.token_ids) + prompt[:4]
     assert accepted > 0 or temperature > 0  # greedy: the drafts were really used
     assert pool.stats()["hits"] == 4 and len(pool) == 2

@@ -2,15 +2,14 @@
 
 from __future__ import annotations
 
-import itertools
 import random
 
 import pytest
 
 from draftmesh.draft.base import DraftContext, Proposal
-from draftmesh.verify.tree_builder import AcceptanceStats, BuilderConfig, CostAwareTreeBuilder, CostModel
-from draftmesh.verify.acceptance import Verdict
 from draftmesh.tree import DraftSequence, TokenTree
+from draftmesh.verify.acceptance import Verdict
+from draftmesh.verify.tree_builder import AcceptanceStats, BuilderConfig, CostAwareTreeBuilder, CostModel
 
 CURVE = {1: 1.0, 2: 1.1, 4: 1.4, 8: 1.8, 16: 2.1, 32: 2.6, 64: 3.7}
 
@@ -148,9 +147,11 @@ def test_text_proposals_are_aligned_with_the_target_tokenizer():
 def test_every_builder_drafts_text_proposals_in_a_plain_decoder():
     """``SpeculativeDecoder(target, sources)`` with no builder, or with a TrieBuilder given no
     aligner, still turns a text source's drafts into tree nodes (they used to be dropped)."""
-    from draftmesh.verify.decoder import GenerationRequest, SpeculativeDecoder
-    from draftmesh.verify.tree_builder import TrieBuilder
     from tiny_models import tiny_target
+
+    from draftmesh.io_struct import GenerationRequest
+    from draftmesh.verify.decoder import SpeculativeDecoder
+    from draftmesh.verify.tree_builder import TrieBuilder
 
     target = tiny_target("llama")
     req = GenerationRequest((5, 6, 7), max_new_tokens=20)

@@ -5,8 +5,8 @@ from __future__ import annotations
 import pytest
 
 from draftmesh.draft.base import Proposal
-from draftmesh.verify.decoder import GenerationRequest, SpeculativeDecoder
-from draftmesh.sampling import SamplingParams
+from draftmesh.io_struct import GenerationRequest, SamplingParams
+from draftmesh.verify.decoder import SpeculativeDecoder
 
 
 @pytest.fixture(scope="module")
@@ -36,12 +36,16 @@ def test_bad_requests(decoder, kwargs, message):
 @pytest.mark.parametrize(
     "kwargs, message",
     [
-        (dict(temperature=-0.1), "temperature must be >= 0"),
-        (dict(temperature=float("nan")), "temperature must be a number"),
-        (dict(top_p=0.0), r"top_p must be in \(0, 1\]"),
-        (dict(top_p=1.5), r"top_p must be in \(0, 1\]"),
-        (dict(top_k=-1), "top_k must be an integer >= 0"),
-        (dict(seed=-3), "seed must be a non-negative integer"),
+        (dict(temperature=-0.1), r"temperature: must be a finite number in \[0, 100\], got -0.1"),
+        (dict(temperature=float("nan")), "temperature: must be a finite number"),
+        (dict(temperature=float("inf")), "temperature: must be a finite number"),
+        (dict(temperature=101.0), r"temperature: must be a finite number in \[0, 100\]"),
+        (dict(temperature="hot"), "temperature: must be a finite number"),
+        (dict(top_p=0.0), r"top_p: must be in \(0, 1\]"),
+        (dict(top_p=1.5), r"top_p: must be in \(0, 1\]"),
+        (dict(top_k=-1), "top_k: must be an integer in"),
+        (dict(top_k=2_000_000), "top_k: must be an integer in"),
+        (dict(seed=-3), "seed: must be a non-negative integer"),
     ],
 )
 def test_bad_sampling_parameters(kwargs, message):
