@@ -14,6 +14,7 @@ from draftmesh.bench.methods import (
     MESH_METHODS,
     Method,
 )
+from draftmesh.config import add_config_arguments
 
 TARGETS = ("local", "mesh")
 
@@ -23,7 +24,6 @@ EXIT_INTERRUPTED = 130
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--workload", required=True, metavar="FILE.jsonl", help="workload file (JSON lines)")
-    parser.add_argument("--model", default="smollm2-135m", metavar="SPEC", help="target model (default: %(default)s)")
     parser.add_argument(
         "--methods",
         default=None,
@@ -53,10 +53,6 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         "--repeats", type=positive_int, default=3, metavar="N",
         help="passes over the workload; the median time per item and method is kept (default: %(default)s)",
     )
-    parser.add_argument(
-        "--threads", type=positive_int, default=None, metavar="T",
-        help="torch threads for every method (default: torch's current setting)",
-    )
     parser.add_argument("--json", metavar="OUT.json", default=None, help="write the full results as JSON")
     parser.add_argument("--plot", metavar="OUT.png", default=None, help="write a PNG chart (needs matplotlib)")
     parser.add_argument("--limit", type=positive_int, default=None, metavar="N", help="only the first N items")
@@ -64,12 +60,12 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         "--max-new-tokens", type=positive_int, default=None, metavar="N",
         help="replace every item's max_new_tokens with N",
     )
-    parser.add_argument(
-        "--max-nodes", type=positive_int, default=None, metavar="N",
-        help="draft tree size cap for draftmesh methods (default: the engine's)",
-    )
     parser.add_argument("--no-cost-curve", action="store_true", help="skip measuring the target's cost curve")
     parser.add_argument("--no-progress", action="store_true", help="no progress bar")
+    # The model, its threads and the tree builder come from the config (--config FILE, DRAFTMESH_*,
+    # --model, --threads, --max-nodes, --builder-*), as for every other command; the draft
+    # sources' options from the file's sources section.
+    add_config_arguments(parser, sections=("engine", "builder"))
 
 
 def _error(msg: str) -> int:

@@ -15,7 +15,7 @@ import redis
 from draftmesh.bench.items import ItemRun, PreparedItem, SourceStats
 from draftmesh.bench.methods import MESH_DRAFTMESH, Method
 from draftmesh.client import MeshClient, api_key_from_env, build_request
-from draftmesh.config import MeshConfig
+from draftmesh.config import DraftmeshConfig
 from draftmesh.net import free_port
 from draftmesh.router.app import APP_NAME
 from draftmesh.router.launcher import start_mesh
@@ -277,17 +277,18 @@ def make_mesh_runners(
 def open_mesh(
     cleanup: contextlib.ExitStack,
     methods: Sequence[Method],
+    cfg: DraftmeshConfig,
     *,
-    model: str,
-    threads: int,
     addr: str | None = None,
     api_key: str | None = None,
     tls_ca: bytes | None = None,
     max_nodes: int | None = None,
 ) -> tuple[list[MeshRunner], dict[str, Any], Callable[[], dict[str, Any] | None]]:
-    """Connect to ``addr``, or start a local mesh for ``model`` (stopped by ``cleanup``, also on
-    an error or Ctrl-C); return the mesh runners, the mesh facts for the report and a
-    function measuring the mesh's memory (None for a mesh not started here)."""
+    """Connect to ``addr``, or start a local mesh with the bench's config (its engine, sources
+    and builder; a private, keyless, plaintext mesh on a free port), stopped by ``cleanup``, also
+    on an error or Ctrl-C. Returns the mesh runners, the mesh facts for the report and a function
+    measuring the mesh's memory (None for a mesh not started here). ``max_nodes`` (given by the
+    user) is sent with every request to a mesh the bench did not start."""
     api_key = api_key_from_env(api_key)
     if addr:
         client = cleanup.enter_context(MeshClient(addr, api_key=api_key, tls_ca=tls_ca))
@@ -303,20 +304,20 @@ def open_mesh(
         return runners, info, lambda: None
 
     # Serve's per-request INFO lines would bury the progress bar and the tables
-    cfg_args: dict[str, Any] = {"model": model, "threads": threads, "grpc_port": free_port(), "log_level": "WARNING"}
-    if max_nodes is not None:
-        cfg_args["max_nodes"] = max_nodes
-    embedded_redis = not os.environ.get("REDIS_URL")
-    print(f"draftmesh bench: starting a local mesh for {model} ({threads} torch threads) ...", file=sys.stderr)
+    cfg = cfg.replace(serve={"grpc_port": free_port(), "log_level": "WARNING", "address": None, "api_keys": None,
+                             "api_keys_file": None, "tls_cert": None, "tls_key": None})
+    embedded_redis = cfg.serve.redis_url is None
+    print(f"draftmesh bench: starting a local mesh for {cfg.engine.model} ({cfg.engine.threads} torch threads) ...",
+          file=sys.stderr)
     try:
-        running = start_mesh(MeshConfig(**cfg_args))
+        running = start_mesh(cfg)
     except Exception as exc:  # noqa: BLE001 - reported as a bench error; start_mesh cleaned up
         raise MeshError(f"cannot start a local mesh: {type(exc).__name__}: {exc}") from exc
     cleanup.callback(running.stop)
     print(f"draftmesh bench: mesh ready at {running.address} in {running.started_s:.1f}s", file=sys.stderr)
     # api_key: the bench's own mesh has no auth; a key from the environment is simply ignored there
     client = cleanup.enter_context(MeshClient(running.address, api_key=api_key))
-    state = OwnMeshState(running.config.redis_url, embedded_redis=embedded_redis)
+    state = OwnMeshState(running.config.serve.redis_url, embedded_redis=embedded_redis)
     runners = make_mesh_runners(methods, client, resetter=state.reset)
     cfg = running.config
     info = {
@@ -325,7 +326,7 @@ def open_mesh(
         "started_s": round(running.started_s, 3),
         "memory": None,
         "mesh_state_reset": True,
-        "config": {"model": cfg.model, "threads": cfg.threads, "max_nodes": cfg.max_nodes,
-                   "verifier_replicas": cfg.verifier_replicas, "session_cache_size": cfg.session_cache_size},
+        "config": {"model": cfg.engine.model, "threads": cfg.engine.threads, "max_nodes": cfg.builder.max_nodes,
+                   "verifier_replicas": cfg.serve.verifier_replicas, "session_cache_size": cfg.serve.session_cache_size},
     }
     return runners, info, mesh_process_memory

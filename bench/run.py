@@ -13,6 +13,7 @@ from typing import Any
 
 import torch
 
+from draftmesh.backend import TorchTarget
 from draftmesh.bench.cli import (
     EXIT_INTERRUPTED,
     EXIT_MISMATCH,
@@ -35,15 +36,22 @@ from draftmesh.bench.report import command_line, machine_info, write_json
 from draftmesh.bench.runners import load_target_spec, make_runner
 from draftmesh.bench.tracing import noop_step_cost_us
 from draftmesh.bench.workload import WorkloadError, load_workload
+from draftmesh.config import config_from_args
 
 
 def run(args: argparse.Namespace) -> int:
     """Run the benchmark described by ``args`` (see ``add_arguments``); return the exit status.
 
-    ``args.model`` (and ``args.assistant``) may be a model spec or an already-loaded
-    ``TorchTarget``, so tests and callers can inject a model.
+    The model and the builder come from the config (``--config``, DRAFTMESH_*, the flags);
+    ``args.model`` (and ``args.assistant``) may also be an already-loaded ``TorchTarget``, so
+    tests and callers can inject a model.
     """
     opt = lambda name, default=None: getattr(args, name, default)  # noqa: E731 - Namespaces built by hand
+    injected = opt("model") if isinstance(opt("model"), TorchTarget) else None
+    try:
+        cfg = config_from_args(argparse.Namespace(**{**vars(args), "model": None}) if injected else args)
+    except ValueError as exc:
+        return _error(str(exc))
     target_kind = opt("target") or "local"
     try:
         items = load_workload(args.workload)
@@ -73,31 +81,32 @@ def run(args: argparse.Namespace) -> int:
         methods = [m for m in methods if m.name != HF_ASSIST]
 
     old_threads = torch.get_num_threads()
-    threads = opt("threads") or old_threads
+    threads = cfg.engine.threads or old_threads
     torch.set_num_threads(threads)
+    cfg = cfg.replace(engine={"threads": threads})
     try:
-        model = opt("model") or "smollm2-135m"
         try:
-            target = load_target_spec(model)
-            assistant = load_target_spec(opt("assistant")) if opt("assistant") is not None else None
+            target = injected or load_target_spec(cfg.engine.model, cfg.engine)
+            assistant = load_target_spec(opt("assistant"), cfg.engine) if opt("assistant") is not None else None
             prepared = prepare_items(items, target, opt("max_new_tokens"))
         except (ValueError, FileNotFoundError, OSError) as exc:
             return _error(str(exc))
-        if mesh_methods and not opt("addr") and not isinstance(model, str):
+        if mesh_methods and not opt("addr") and injected is not None:
             return _error("--target mesh without --addr starts a mesh for --model, which must be a model spec")
         mesh_info: dict[str, Any] | None = None
         try:
             with contextlib.ExitStack() as cleanup:
                 runners = [
-                    make_runner(m, target, assistant=assistant, max_nodes=opt("max_nodes"))
+                    make_runner(m, target, assistant=assistant, builder_config=cfg.builder,
+                                source_options=cfg.sources.options)
                     for m in methods
                     if m.family != "mesh"
                 ]
                 if mesh_methods:
                     try:
                         mesh_runners, mesh_info, measure_memory = open_mesh(
-                            cleanup, mesh_methods, model=model, threads=threads, addr=opt("addr"),
-                            api_key=opt("api_key"), tls_ca=tls_ca, max_nodes=opt("max_nodes"),
+                            cleanup, mesh_methods, cfg, addr=opt("addr"), api_key=opt("api_key"), tls_ca=tls_ca,
+                            max_nodes=opt("max_nodes"),
                         )
                     except MeshError as exc:
                         return _error(str(exc))
@@ -136,11 +145,11 @@ def run(args: argparse.Namespace) -> int:
             "assistant": getattr(assistant, "name", None),
             "workload": {"path": str(args.workload), "items": len(prepared)},
             "max_new_tokens_override": opt("max_new_tokens"),
-            "max_nodes": opt("max_nodes"),
+            "max_nodes": cfg.builder.max_nodes,
             "cost_curve": {str(k): round(v, 4) for k, v in cost_curve.items()},
             "step_ms": round(1e3 * target.step_seconds, 4) if cost_curve and target.step_seconds else None,
         }
-        name = model if isinstance(model, str) else getattr(target, "name", "model")
+        name = cfg.engine.model if injected is None else getattr(target, "name", "model")
         meta["target"] = target_kind
         traced = next((r.tracing for r in runners if getattr(r, "tracing", None) is not None), None)
         if traced is not None:

@@ -14,6 +14,7 @@ from draftmesh.backend import TorchTarget
 from draftmesh.bench.items import ItemRun, MethodRunner, PreparedItem, SourceStats
 from draftmesh.bench.methods import Method
 from draftmesh.bench.tracing import tracing_switch
+from draftmesh.config import BuilderConfig, EngineConfig
 from draftmesh.io_struct import GenerationRequest, SpeculationParams
 from draftmesh.verify.engine import build_decoder
 
@@ -63,7 +64,7 @@ class EngineRunner:
         sources: Sequence[str] | None,
         *,
         source_options: Mapping[str, Mapping] | None = None,
-        max_nodes: int | None = None,
+        builder_config: BuilderConfig | None = None,
         policy: str = "exact",
         traced: bool = False,
     ) -> None:
@@ -76,15 +77,13 @@ class EngineRunner:
         self.target = target
         self.sources = None if sources is None else tuple(sources)
         self.source_options = source_options
-        self.max_nodes = max_nodes
+        self.builder_config = builder_config
         self.decoder = None
         self.counter: _CountingBuilder | None = None
 
     def reset(self) -> None:
-        kwargs: dict[str, Any] = {"source_options": self.source_options}
-        if self.max_nodes is not None:  # else build_decoder's own default
-            kwargs["max_nodes"] = self.max_nodes
-        self.decoder = build_decoder(self.target, self.sources, **kwargs)
+        self.decoder = build_decoder(self.target, self.sources, source_options=self.source_options,
+                                     builder_config=self.builder_config)
         self.counter = None
         if self.decoder.sources:
             self.counter = _CountingBuilder(self.decoder.builder)
@@ -229,21 +228,23 @@ class HFRunner:
 
 
 def make_runner(
-    method: Method, target, *, assistant=None, max_nodes: int | None = None, source_options=None
+    method: Method, target, *, assistant=None, builder_config: BuilderConfig | None = None, source_options=None
 ) -> MethodRunner:
     """The runner for a method on a local target (mesh methods: ``make_mesh_runners``)."""
     if method.family == "mesh":
         raise ValueError(f"{method.name} runs through the mesh: use make_mesh_runners")
     if method.family == "engine":
         return EngineRunner(
-            method.name, target, method.sources, source_options=source_options, max_nodes=max_nodes, policy=method.policy,
+            method.name, target, method.sources, source_options=source_options, builder_config=builder_config, policy=method.policy,
             traced=method.traced,
         )
     return HFRunner(method.name, target, method.hf_mode or "greedy", assistant=assistant)
 
 
-def load_target_spec(spec_or_target) -> TorchTarget:
-    """A loaded target for a model spec, or the target itself (tests inject loaded models)."""
+def load_target_spec(spec_or_target, engine: EngineConfig | None = None) -> TorchTarget:
+    """A loaded target for a model spec (on the engine config's device and dtype), or the target
+    itself (tests inject loaded models)."""
     if isinstance(spec_or_target, TorchTarget):
         return spec_or_target
-    return TorchTarget.load(str(spec_or_target))
+    engine = engine or EngineConfig()
+    return TorchTarget.load(str(spec_or_target), device=engine.device, dtype=engine.torch_dtype())

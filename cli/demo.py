@@ -6,7 +6,10 @@ import statistics
 import sys
 import time
 
-from draftmesh.config import EngineConfig
+from draftmesh.config import DraftmeshConfig
+from draftmesh.io_struct import GenerationRequest
+from draftmesh.prompts import encode_messages
+from draftmesh.verify.engine import build_decoder, decoder_from_config, load_target
 
 DEMO_CODE = '''def parse_line(line):
     parts = line.strip().split(",")
@@ -32,14 +35,10 @@ DEMO_MESSAGES = [
 ]
 
 
-def run_demo(cfg: EngineConfig, repeats: int = 3, max_new_tokens: int = 160, out=sys.stdout) -> dict:
-    from draftmesh.io_struct import GenerationRequest
-    from draftmesh.prompts import encode_messages
-    from draftmesh.verify.engine import build_decoder, decoder_from_config, load_target
-
+def run_demo(cfg: DraftmeshConfig, repeats: int = 3, max_new_tokens: int = 160, out=sys.stdout) -> dict:
     t0 = time.perf_counter()
-    target = load_target(cfg)
-    print(f"loaded {cfg.model} in {time.perf_counter() - t0:.1f}s", file=out)
+    target = load_target(cfg.engine)
+    print(f"loaded {cfg.engine.model} in {time.perf_counter() - t0:.1f}s", file=out)
     curve = target.measure_cost_curve()
     print("verify cost curve (forward of k tokens / 1 token): "
           + ", ".join(f"{k}:{v:.2f}" for k, v in curve.items()), file=out)
@@ -86,7 +85,7 @@ def run_demo(cfg: EngineConfig, repeats: int = 3, max_new_tokens: int = 160, out
     print(f"speculative greedy: {tps['speculative']:6.1f} tok/s  ({len(s.token_ids)} tokens, {len(s.steps)} forwards)", file=out)
     print(f"speedup {summary['speedup']:.2f}x, mean accepted tokens per step {s.mean_accepted_per_step:.2f}, "
           f"outputs identical: {'yes' if identical else 'NO (see README: near-tie argmax flips)'}", file=out)
-    print(f"(median of {repeats} interleaved runs, {cfg.threads or 'default'} threads, sources: "
+    print(f"(median of {repeats} interleaved runs, {cfg.engine.threads or 'default'} threads, sources: "
           f"{', '.join(src.name for src in remembered.sources)}; each speculative run starts with no memory)", file=out)
     print(f"asked again, the answer store drafts the earlier answer: {again.tokens_per_s:.1f} tok/s, "
           f"{again.mean_accepted_per_step:.2f} tokens per step, identical: "

@@ -1,15 +1,30 @@
-"""The `draftmesh` command line."""
+"""The `draftmesh` command line: one subcommand per entry point.
+
+Building the parser is cheap (no torch, Ray or transformers): each command imports what it runs
+when it runs (the imports marked lazy), so `draftmesh health` in a container's health check and
+`draftmesh factcheck-worker` in the worker's own environment load only what they need.
+"""
 
 from __future__ import annotations
 
 import argparse
 import logging
 import os
+import signal
 import sys
+import threading
+import time
+
+import yaml
 
 from draftmesh import tracing
 from draftmesh.bench.cli import add_arguments as add_bench_arguments
-from draftmesh.config import EngineConfig, MeshConfig, add_config_arguments, config_from_args
+from draftmesh.cli.generate import add_generate_arguments, run_generate_cli
+from draftmesh.cli.health import add_health_arguments, run_health_cli
+from draftmesh.config import add_config_arguments, config_from_args
+
+ENGINE_SECTIONS = ("engine", "sources", "builder")
+"""The config sections of the in-process commands (`run`); the mesh commands take all of them."""
 
 
 def _offline_defaults() -> None:
@@ -19,26 +34,27 @@ def _offline_defaults() -> None:
 
 
 def cmd_demo(args: argparse.Namespace) -> int:
+    cfg = config_from_args(args)
     if args.in_process:
-        from draftmesh.cli.demo import run_demo
+        from draftmesh.cli.demo import run_demo  # lazy: the engine (torch)
 
-        cfg = config_from_args(args, MeshConfig)  # an EngineConfig; the mesh keys go unused
         run_demo(cfg, repeats=args.repeats, max_new_tokens=args.max_new_tokens)
         return 0
-    from draftmesh.cli.mesh_demo import run_mesh_demo
+    from draftmesh.cli.mesh_demo import run_mesh_demo  # lazy: the mesh (Ray)
 
-    summary = run_mesh_demo(config_from_args(args, MeshConfig), addr=args.addr, max_new_tokens=args.max_new_tokens)
+    summary = run_mesh_demo(cfg, addr=args.addr, max_new_tokens=args.max_new_tokens)
     return 0 if summary["all_identical"] else 1
 
 
 def cmd_run(args: argparse.Namespace) -> int:
+    # lazy: the engine (torch, transformers)
     from draftmesh.io_struct import GenerationRequest, SamplingParams
     from draftmesh.prompts import encode_messages, encode_prompt
     from draftmesh.verify.engine import decoder_from_config, load_target
 
     cfg = config_from_args(args)
     tracing.setup_tracing("engine")
-    target = load_target(cfg)
+    target = load_target(cfg.engine)
     decoder = decoder_from_config(target, cfg)
     if args.raw:
         ids = encode_prompt(target.tokenizer, args.prompt)
@@ -67,9 +83,9 @@ def cmd_run(args: argparse.Namespace) -> int:
 
 
 def cmd_cost_curve(args: argparse.Namespace) -> int:
-    from draftmesh.verify.engine import load_target
+    from draftmesh.verify.engine import load_target  # lazy: the engine (torch, transformers)
 
-    target = load_target(config_from_args(args))
+    target = load_target(config_from_args(args).engine)
     curve = target.measure_cost_curve(context=args.context, repeats=args.repeats)
     print(f"one-token step: {target.step_seconds * 1000:.1f} ms (context {args.context})")
     for k, v in curve.items():
@@ -79,9 +95,7 @@ def cmd_cost_curve(args: argparse.Namespace) -> int:
 
 def cmd_prepare_models(args: argparse.Namespace) -> int:
     """Convert the packaged GGUFs to the safetensors cache once, so later loads take seconds."""
-    import time
-
-    from draftmesh.models import PACKAGED_MODELS, ensure_converted, resolve
+    from draftmesh.models import PACKAGED_MODELS, ensure_converted, resolve  # lazy: torch
 
     for spec in args.models or PACKAGED_MODELS:
         t0 = time.perf_counter()
@@ -98,11 +112,7 @@ def cmd_bench(args: argparse.Namespace) -> int:
 
 def cmd_draft_serve(args: argparse.Namespace) -> int:
     """Serve one built-in draft source over gRPC until Ctrl-C or SIGTERM."""
-    import signal
-    import threading
-
-    import yaml
-
+    # lazy: the draft sources (torch, a tokenizer)
     from draftmesh.draft.grpc_server import serve_source
     from draftmesh.draft.registry import build_source
 
@@ -115,7 +125,7 @@ def cmd_draft_serve(args: argparse.Namespace) -> int:
             raise ValueError(f"cannot read --options-yaml: {exc}") from None
         if not isinstance(options, dict):
             raise ValueError(f"{args.options_yaml}: the source options must be a mapping")
-    source = build_source(args.source, args.model, {"options": options})
+    source = build_source(args.source, config_from_args(args).engine.model, options=options)
     tracing.setup_tracing("draft")
     server, port = serve_source(source, args.port, host=args.host)
     stop = threading.Event()
@@ -135,24 +145,21 @@ def cmd_draft_serve(args: argparse.Namespace) -> int:
 
 def cmd_serve(args: argparse.Namespace) -> int:
     """Run the whole mesh (Redis, Ray, Serve, gRPC) until Ctrl-C or SIGTERM, then stop it cleanly."""
-    import signal
-    import threading
+    from draftmesh.router.launcher import start_mesh  # lazy: the mesh (Ray, the engine)
 
-    from draftmesh.config import MeshConfig
-    from draftmesh.router.launcher import start_mesh
-
-    cfg = config_from_args(args, MeshConfig)
+    cfg = config_from_args(args)
     mesh = start_mesh(cfg)
     # After ray.init, which installs its own SIGTERM handler (it would exit without cleanup).
     stop = threading.Event()
     previous = {sig: signal.signal(sig, lambda *_: stop.set()) for sig in (signal.SIGTERM, signal.SIGINT)}
     try:
-        tls = " with TLS" if cfg.tls_cert else ""
-        auth = f", {len(cfg.api_keys)} API key(s)" if cfg.api_keys else ""
+        tls = " with TLS" if cfg.serve.tls_cert else ""
+        auth = " with API keys" if cfg.serve.api_keys or cfg.serve.api_keys_file else ""
         metrics = f"; metrics http://{mesh.metrics_address}/metrics" if mesh.metrics_address else ""
         traces = f"; traces to {tracing.configured_endpoint()}" if tracing.configured_by_env() else ""
-        print(f"draftmesh: serving {cfg.model} on {mesh.address}{tls} (gRPC draftmesh.v1.Generation{auth}); "
-              f"redis {mesh.config.redis_url}{metrics}{traces}; ready in {mesh.started_s:.1f}s. Ctrl-C to stop.", flush=True)
+        print(f"draftmesh: serving {cfg.engine.model} on {mesh.address}{tls} (gRPC draftmesh.v1.Generation{auth}); "
+              f"redis {mesh.config.serve.redis_url}{metrics}{traces}; ready in {mesh.started_s:.1f}s. Ctrl-C to stop.",
+              flush=True)
         stop.wait()
         print("draftmesh: stopping", file=sys.stderr, flush=True)
     finally:
@@ -163,15 +170,11 @@ def cmd_serve(args: argparse.Namespace) -> int:
 
 
 def cmd_generate(args: argparse.Namespace) -> int:
-    from draftmesh.cli.generate import run_generate_cli
-
     return run_generate_cli(args)
 
 
 def cmd_health(args: argparse.Namespace) -> int:
     """Exit 0 when a running mesh's gRPC front door is healthy and serves the app, else 1 (container health checks)."""
-    from draftmesh.cli.health import run_health_cli
-
     return run_health_cli(args)
 
 
@@ -181,7 +184,7 @@ def build_parser() -> argparse.ArgumentParser:
     sub = parser.add_subparsers(dest="command", required=True)
 
     demo = sub.add_parser("demo", help="start the mesh, send grounded, RAG and repeated requests, compare with plain")
-    add_config_arguments(demo, MeshConfig)
+    add_config_arguments(demo)
     demo.add_argument("--addr", default=None, help="use a running mesh instead of starting one")
     demo.add_argument("--in-process", action="store_true", help="no mesh: the engine in this process, medians of --repeats")
     demo.add_argument("--repeats", type=int, default=3, help="with --in-process: interleaved runs per side")
@@ -189,7 +192,7 @@ def build_parser() -> argparse.ArgumentParser:
     demo.set_defaults(func=cmd_demo)
 
     run = sub.add_parser("run", help="generate in-process for one prompt")
-    add_config_arguments(run)
+    add_config_arguments(run, sections=ENGINE_SECTIONS)
     run.add_argument("prompt")
     run.add_argument("--raw", action="store_true", help="do not apply the chat template")
     run.add_argument("--max-new-tokens", type=int, default=128)
@@ -201,7 +204,7 @@ def build_parser() -> argparse.ArgumentParser:
     run.set_defaults(func=cmd_run)
 
     curve = sub.add_parser("cost-curve", help="measure the verify cost of a k-token tree forward")
-    add_config_arguments(curve)
+    add_config_arguments(curve, sections=("engine",))
     curve.add_argument("--context", type=int, default=128)
     curve.add_argument("--repeats", type=int, default=7)
     curve.set_defaults(func=cmd_cost_curve)
@@ -214,7 +217,7 @@ def build_parser() -> argparse.ArgumentParser:
     ds.add_argument("--source", required=True, help="built-in source name (history, rules, rag, prompt_lookup, llm)")
     ds.add_argument("--port", type=int, default=9100, help="0: any free port")
     ds.add_argument("--host", default="0.0.0.0")
-    ds.add_argument("--model", default="smollm2-135m", help="the target model whose tokenizer the source uses")
+    add_config_arguments(ds, sections=("engine",))  # --model: the target whose tokenizer the source uses
     ds.add_argument("--options-yaml", default=None, help="YAML mapping of the source's options")
     ds.add_argument("--grace", type=float, default=2.0, help="seconds in-flight calls get on shutdown")
     ds.set_defaults(func=cmd_draft_serve)
@@ -227,16 +230,12 @@ def build_parser() -> argparse.ArgumentParser:
                    add_help=False)
 
     srv = sub.add_parser("serve", help="run the mesh: Ray Serve deployments behind the gRPC front door")
-    add_config_arguments(srv, MeshConfig)
+    add_config_arguments(srv)
     srv.set_defaults(func=cmd_serve)
-
-    from draftmesh.cli.generate import add_generate_arguments
 
     gen = sub.add_parser("generate", help="send one request to a running mesh and print the answer and its stats")
     add_generate_arguments(gen)
     gen.set_defaults(func=cmd_generate)
-
-    from draftmesh.cli.health import add_health_arguments
 
     health = sub.add_parser("health", help="check that a running mesh's gRPC front door is healthy and serves the app "
                                            "(exit 0) or not (exit 1)")
@@ -253,11 +252,11 @@ def main(argv: list[str] | None = None) -> int:
     _offline_defaults()
     argv = sys.argv[1:] if argv is None else list(argv)
     if argv[:1] == ["factcheck-worker"]:
-        from draftmesh.factcheck.worker import main as worker_main
+        from draftmesh.factcheck.worker import main as worker_main  # lazy: NER models, in the worker's env
 
         return worker_main(argv[1:])
     if argv[:1] == ["factcheck-bench"]:
-        from draftmesh.bench.factcheck.cli import main as factcheck_bench_main
+        from draftmesh.bench.factcheck.cli import main as factcheck_bench_main  # lazy: the engine and workers
 
         return factcheck_bench_main(argv[1:])
     args = build_parser().parse_args(argv)

@@ -15,8 +15,12 @@ import time
 from dataclasses import dataclass
 from typing import Any, TextIO
 
-from draftmesh.config import MeshConfig
 from draftmesh.cli.demo import DEMO_MESSAGES
+from draftmesh.cli.generate import format_factcheck
+from draftmesh.client import MeshClient, build_request
+from draftmesh.config import DraftmeshConfig
+from draftmesh.router.launcher import start_mesh
+from draftmesh.v1 import generation_pb2 as pb
 
 RAG_DOCUMENT = (
     "The Lindqvist Observatory was founded in 1911 on the summit of Mount Harrow. Its main "
@@ -57,16 +61,12 @@ def _timed(client, request, out: TextIO | None = None):
 
 
 def _compare(client, name: str, request, out: TextIO, *, echo: bool = False, label: str | None = None) -> DemoRow:
-    from draftmesh.v1 import generation_pb2 as pb
-
     if echo:
         print(f"\n--- {name}: speculative, streamed ---", file=out)
     spec, spec_s = _timed(client, request, out if echo else None)
     if echo:
         print("\n---", file=out)
         if spec.HasField("factcheck"):
-            from draftmesh.cli.generate import format_factcheck
-
             print(format_factcheck(spec.factcheck), file=out)
     plain_req = pb.GenerateRequest()
     plain_req.CopyFrom(request)
@@ -85,19 +85,16 @@ def _compare(client, name: str, request, out: TextIO, *, echo: bool = False, lab
     )
 
 
-def run_mesh_demo(cfg: MeshConfig, *, addr: str | None = None, api_key: str | None = None,
+def run_mesh_demo(cfg: DraftmeshConfig, *, addr: str | None = None, api_key: str | None = None,
                   max_new_tokens: int = 160, out: TextIO = sys.stdout) -> dict[str, Any]:
-    from draftmesh.client import MeshClient, build_request
-
     running = None
     if addr is None:
-        from draftmesh.router.launcher import start_mesh
-
-        print(f"starting the mesh ({cfg.model}, {cfg.verifier_replicas} verifier replica(s))...", file=out, flush=True)
+        print(f"starting the mesh ({cfg.engine.model}, {cfg.serve.verifier_replicas} verifier replica(s))...",
+              file=out, flush=True)
         running = start_mesh(cfg)
         addr = running.address
-        api_key = api_key or (cfg.api_keys or [None])[0]
-        print(f"mesh ready on {addr} in {running.started_s:.1f}s (Ray Serve, gRPC, Redis {running.config.redis_url})",
+        api_key = api_key or (cfg.serve.api_keys or [None])[0]
+        print(f"mesh ready on {addr} in {running.started_s:.1f}s (Ray Serve, gRPC, Redis {running.config.serve.redis_url})",
               file=out, flush=True)
     try:
         with MeshClient(addr, api_key=api_key, timeout_s=600) as client:

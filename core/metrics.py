@@ -2,7 +2,7 @@
 
 Each Serve replica records into ``ray.util.metrics`` instruments; every Ray node's metrics
 agent serves them, with Ray's and Serve's own, in Prometheus text format on the node's
-metrics export port (``MeshConfig.metrics_port`` for the local cluster ``draftmesh serve``
+metrics export port (``serve.metrics_port`` for the local cluster ``draftmesh serve``
 starts, 8080 on KubeRay pods), so replicas on many nodes need no port each. Ray prefixes the
 names with ``ray_`` and adds ``_total``/``_bucket``/... suffixes.
 

@@ -22,7 +22,6 @@ import torch
 from draftmesh.io_struct import MAX_TREE_NODES
 
 
-
 @dataclass(frozen=True)
 class QDraw:
     """A draft that *sampled* this node's token from ``dist`` (given the node's ancestors)."""

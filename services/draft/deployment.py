@@ -9,11 +9,12 @@ from __future__ import annotations
 
 import asyncio
 import logging
-from typing import Any, Mapping
+from typing import Mapping
 
 from ray import serve
 
 from draftmesh import tracing
+from draftmesh.config import RemoteSource
 from draftmesh.draft.registry import build_source
 from draftmesh.draft.wire import context_from_proto, proposals_to_proto
 from draftmesh.v1 import draft_source_pb2 as pb
@@ -23,12 +24,12 @@ log = logging.getLogger(__name__)
 
 @serve.deployment(name="draft", max_ongoing_requests=8, health_check_period_s=10)
 class DraftDeployment:
-    def __init__(self, name: str, model: str, spec: Mapping[str, Any], redis_url: str | None = None) -> None:
+    def __init__(self, name: str, model: str, spec: RemoteSource, redis_url: str | None = None) -> None:
         tracing.setup_tracing("draft")
         # Not a module global: Serve pickles this class by value, with the globals its methods use.
         self._tracer = tracing.tracer("draftmesh.draft")
         self.name = name
-        self.source = build_source(name, model, spec, redis_url)
+        self.source = build_source(name, model, options=spec.options, factory=spec.factory, redis_url=redis_url)
 
     async def Propose(self, request: pb.ProposeRequest, trace_context: Mapping[str, str] | None = None) -> pb.ProposeResponse:
         """``trace_context``: the W3C headers of the verifier step asking (ServeHandleSource)."""

@@ -18,11 +18,11 @@ from __future__ import annotations
 
 import logging
 import threading
-from typing import Any, Mapping
 
 import grpc
 
 from draftmesh import tracing
+from draftmesh.config import RemoteSource
 from draftmesh.draft import wire
 from draftmesh.draft.base import DraftContext, Proposal
 from draftmesh.v1 import draft_source_pb2_grpc as pb_grpc
@@ -95,24 +95,23 @@ class GrpcDraftSource:
 
     @classmethod
     def from_spec(
-        cls, name: str, spec: Mapping[str, Any], *, tokenizer_name: str = "", default_timeout_s: float = 0.1
+        cls, name: str, spec: RemoteSource, *, tokenizer_name: str = "", default_timeout_s: float = 0.1
     ) -> GrpcDraftSource:
-        """From a config entry ``{address, timeout_ms?, token_ids?, secure?, root_certificates?}``
-        (``root_certificates``: a PEM file path)."""
-        if "address" not in spec:
+        """From its config entry (``sources.remote.<name>``: address, timeout_ms, token_ids, secure,
+        root_certificates, a PEM file path that implies secure)."""
+        if spec.address is None:
             raise ValueError(f"remote source {name!r}: no address")
-        timeout_ms = spec.get("timeout_ms")
-        roots = spec.get("root_certificates")
-        if roots is not None:
-            with open(roots, "rb") as fh:
+        roots = None
+        if spec.root_certificates is not None:
+            with open(spec.root_certificates, "rb") as fh:
                 roots = fh.read()
         return cls(
             name,
-            str(spec["address"]),
+            spec.address,
             tokenizer_name=tokenizer_name,
-            timeout_s=default_timeout_s if timeout_ms is None else float(timeout_ms) / 1e3,
-            token_ids_ok=bool(spec.get("token_ids", False)),
-            secure=bool(spec.get("secure", roots is not None)),
+            timeout_s=default_timeout_s if spec.timeout_ms is None else spec.timeout_ms / 1e3,
+            token_ids_ok=spec.token_ids,
+            secure=spec.secure or roots is not None,
             root_certificates=roots,
         )
 

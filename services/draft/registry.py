@@ -1,15 +1,21 @@
 """Draft sources by name, so configs, requests and the CLI can say which ones to use.
 
 Factories receive a ``SourceEnv`` (what every source may need from the deployment: the
-target tokenizer, the Redis URL) plus that source's own options from config.
+target tokenizer, the Redis URL) plus that source's own options from config. Each factory
+imports its source's module when called: a deployment pays (bm25s, the answer store's Redis,
+a draft model) only for the sources it uses.
 """
 
 from __future__ import annotations
 
+import importlib
 from dataclasses import dataclass
 from typing import Any, Callable, Mapping
 
+from draftmesh.backend import TorchTarget
 from draftmesh.draft.base import DraftSource
+from draftmesh.models import load_tokenizer
+from draftmesh.prompts import encode_messages
 
 
 @dataclass(frozen=True)
@@ -24,17 +30,21 @@ SourceFactory = Callable[..., DraftSource]
 
 
 def _prompt_lookup(env: SourceEnv, **options: Any) -> DraftSource:
-    from draftmesh.draft.prompt_lookup import PromptLookupSource
+    from draftmesh.draft.prompt_lookup import PromptLookupSource  # lazy: a source's module loads when it is used
 
     return PromptLookupSource(**options)
 
 
 def _history(env: SourceEnv, **options: Any) -> DraftSource:
-    from draftmesh.draft.history import HistorySource, InMemoryAnswerStore, MinHasher
+    from draftmesh.draft.history import (  # lazy: a source's module loads when it is used
+        HistorySource,
+        InMemoryAnswerStore,
+        MinHasher,
+    )
 
     hasher = MinHasher(boilerplate=_template_boilerplate(env.tokenizer))
     if env.redis_url:
-        from draftmesh.draft.redis_store import RedisAnswerStore
+        from draftmesh.draft.redis_store import RedisAnswerStore  # lazy: a source's module loads when it is used
 
         store = RedisAnswerStore.from_url(env.redis_url, hasher=hasher)
     else:
@@ -47,13 +57,11 @@ def _template_boilerplate(tokenizer: Any) -> list[list[int]]:
     """The chat template's fixed tokens, so near-duplicate search looks at the question."""
     if tokenizer is None or not getattr(tokenizer, "chat_template", None):
         return []
-    from draftmesh.prompts import encode_messages
-
     return [encode_messages(tokenizer, [{"role": "user", "content": ""}])]
 
 
 def _rules(env: SourceEnv, path: str | None = None, **options: Any) -> DraftSource:
-    from draftmesh.draft.rules import RulesSource
+    from draftmesh.draft.rules import RulesSource  # lazy: a source's module loads when it is used
 
     source = RulesSource.from_yaml(path) if path else RulesSource.default()
     for key, value in options.items():
@@ -64,7 +72,7 @@ def _rules(env: SourceEnv, path: str | None = None, **options: Any) -> DraftSour
 
 
 def _rag(env: SourceEnv, paths: list[str] | tuple[str, ...] = (), **options: Any) -> DraftSource:
-    from draftmesh.draft.rag import RagSource
+    from draftmesh.draft.rag import RagSource  # lazy: a source's module loads when it is used
 
     if env.tokenizer is None:
         raise ValueError("the rag source needs the target tokenizer")
@@ -73,8 +81,7 @@ def _rag(env: SourceEnv, paths: list[str] | tuple[str, ...] = (), **options: Any
 
 def _llm(env: SourceEnv, draft: str = "smollm2-135m", device: str = "cpu", **options: Any) -> DraftSource:
     """A small draft LLM. Off by default: on CPU it costs more than it saves (docs/llm_source.md)."""
-    from draftmesh.draft.llm import LLMSource
-    from draftmesh.backend import TorchTarget
+    from draftmesh.draft.llm import LLMSource  # lazy: a source's module loads when it is used
 
     options.setdefault("target_vocab_size", env.vocab_size)
     return LLMSource(TorchTarget.load(draft, device=device), target_tokenizer=env.tokenizer, **options)
@@ -105,23 +112,18 @@ def create(name: str, env: SourceEnv | None = None, **options: Any) -> DraftSour
         raise ValueError(f"bad options for draft source {name!r}: {exc}") from None
 
 
-def build_source(name: str, model: str, spec: Mapping[str, Any] | None = None, redis_url: str | None = None) -> DraftSource:
+def build_source(name: str, model: str, *, options: Mapping[str, Any] | None = None, factory: str | None = None,
+                 redis_url: str | None = None) -> DraftSource:
     """A source outside any verifier (a Serve draft deployment, `draftmesh draft-serve`),
-    with the tokenizer of the target ``model``: the built-in ``name``, or ``spec["factory"]``
-    ("package.module:callable") called as factory(env, **options); ``spec["options"]`` for either."""
-    import importlib
-
-    from draftmesh.models import load_tokenizer
-
-    spec = spec or {}
+    with the tokenizer of the target ``model``: the built-in ``name``, or ``factory``
+    ("package.module:callable") called as factory(env, **options)."""
     tokenizer = load_tokenizer(model)
     env = SourceEnv(tokenizer=tokenizer, vocab_size=len(tokenizer), redis_url=redis_url)
-    options = dict(spec.get("options") or {})
-    factory = spec.get("factory")
+    options = dict(options or {})
     if factory:
         module, _, attr = str(factory).partition(":")
         if not module or not attr:
-            raise ValueError(f"remote_sources.{name}.factory must look like package.module:callable, got {factory!r}")
+            raise ValueError(f"sources.remote.{name}.factory must look like package.module:callable, got {factory!r}")
         source = getattr(importlib.import_module(module), attr)(env, **options)
     else:
         source = create(name, env, **options)

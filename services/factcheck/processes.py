@@ -1,8 +1,8 @@
 """Fact-check workers as child processes of ``draftmesh serve``, in their own environment.
 
 The worker's environment may differ from the engine's (flair pins transformers < 5), so a
-worker is started with that environment's interpreter: ``factcheck_python`` if given,
-else ``DRAFTMESH_FACTCHECK_PYTHON``, else a ``.venv-factcheck`` beside the running venv
+worker is started with that environment's interpreter: ``factcheck.python`` if given
+(DRAFTMESH_FACTCHECK_PYTHON), else a ``.venv-factcheck`` beside the running venv
 (what ``make factcheck-env`` builds), else this interpreter (fine for the spaCy backend).
 Children get SIGTERM when ``serve`` dies, even by SIGKILL, so no worker outlives it.
 """
@@ -20,19 +20,21 @@ import uuid
 from pathlib import Path
 from typing import Sequence
 
+import redis
 import yaml
 
 from draftmesh.config import FactCheckConfig
+from draftmesh.factcheck.protocol import StreamNames, as_str
+from draftmesh.redis_server import _die_with_parent
 
 log = logging.getLogger(__name__)
 
 
 def find_worker_python(explicit: str | None = None) -> str:
+    """``explicit`` (the config's ``factcheck.python``), else the fact-check venv beside this one,
+    else this interpreter."""
     if explicit:
         return explicit
-    env = os.environ.get("DRAFTMESH_FACTCHECK_PYTHON")
-    if env:
-        return env
     sibling = Path(sys.prefix).parent / ".venv-factcheck" / "bin" / "python"
     if sibling.exists():
         return str(sibling)
@@ -73,18 +75,12 @@ class WorkerProcesses:
         return self
 
     def _child_setup(self) -> None:
-        from draftmesh.redis_server import _die_with_parent
-
         _die_with_parent()
         if self.nice:
             os.nice(self.nice)
 
     def wait_ready(self, timeout_s: float = 60.0) -> None:
         """Until every worker has joined the consumer group (it reads once its checks are loaded)."""
-        import redis
-
-        from draftmesh.factcheck.protocol import StreamNames, as_str
-
         names = StreamNames.from_prefix(self.config.stream_prefix)
         client = redis.Redis.from_url(self.config.redis_url)
         deadline = time.monotonic() + timeout_s

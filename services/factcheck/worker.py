@@ -38,7 +38,7 @@ import sys
 import threading
 import time
 from concurrent.futures import ThreadPoolExecutor
-from dataclasses import dataclass, replace
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Callable
 
@@ -453,10 +453,9 @@ def main(argv: list[str] | None = None) -> int:
     logging.basicConfig(level=level, format="%(levelname)s %(name)s: %(message)s")
     try:
         config = config_from_args(args, FactCheckConfig)
-        url = config.redis_url or os.environ.get("REDIS_URL")
+        url = config.redis_url
         if not url:
             raise ValueError("no Redis: pass --redis-url, or set DRAFTMESH_FACTCHECK_REDIS_URL or REDIS_URL")
-        config = replace(config, redis_url=url)
         tracing.setup_tracing("factcheck")
         annotate = load_annotator(args.annotator, config)
     except ValueError as exc:

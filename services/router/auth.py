@@ -10,15 +10,10 @@ from __future__ import annotations
 
 import hashlib
 import hmac
-import os
 from pathlib import Path
-from typing import TYPE_CHECKING, Iterable, Mapping, Sequence
+from typing import Iterable, Sequence
 
-if TYPE_CHECKING:  # pragma: no cover
-    from draftmesh.config import MeshConfig
-
-KEYS_FILE_ENV = "DRAFTMESH_API_KEYS_FILE"
-"""A file with one API key per line (e.g. a mounted Kubernetes Secret)."""
+from draftmesh.config import ServeConfig
 
 MISSING = "missing authorization metadata"
 MALFORMED = "authorization must be 'Bearer <key>'"
@@ -58,23 +53,22 @@ class ApiKeyAuth:
         return f"ApiKeyAuth(enabled={self.enabled}, keys={len(self._digests)})"
 
     @classmethod
-    def from_config(cls, cfg: "MeshConfig", env: Mapping[str, str] | None = None) -> "ApiKeyAuth":
-        """Keys from ``cfg.api_keys`` plus those in the file named by DRAFTMESH_API_KEYS_FILE.
+    def from_config(cls, serve: ServeConfig) -> "ApiKeyAuth":
+        """Keys from ``serve.api_keys`` plus those in ``serve.api_keys_file`` (DRAFTMESH_API_KEYS_FILE).
 
         The file holds one key per line; blank lines and lines starting with '#' are
         skipped. A set but unreadable or keyless file is an error (auth never silently off).
         """
-        env = os.environ if env is None else env
-        keys = list(cfg.api_keys or ())
-        path = env.get(KEYS_FILE_ENV)
+        keys = list(serve.api_keys or ())
+        path = serve.api_keys_file
         if path:
             try:
                 text = Path(path).read_text(encoding="utf-8")
             except (OSError, UnicodeDecodeError) as exc:
-                raise ValueError(f"{KEYS_FILE_ENV}={path}: cannot read the key file ({type(exc).__name__})") from None
+                raise ValueError(f"serve.api_keys_file={path}: cannot read the key file ({type(exc).__name__})") from None
             found = [ln.strip() for ln in text.splitlines() if ln.strip() and not ln.strip().startswith("#")]
             if not found:
-                raise ValueError(f"{KEYS_FILE_ENV}={path}: the key file holds no keys")
+                raise ValueError(f"serve.api_keys_file={path}: the key file holds no keys")
             keys += found
         return cls(keys)
 

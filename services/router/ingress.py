@@ -17,7 +17,8 @@ from ray import serve
 from ray.serve.grpc_util import RayServegRPCContext
 
 from draftmesh import tracing
-from draftmesh.config import MeshConfig
+from draftmesh.config import DraftmeshConfig
+from draftmesh.draft import registry
 from draftmesh.factcheck.client import FactCheckBusy, FactCheckClient, FactCheckUnavailable
 from draftmesh.factcheck.protocol import annotation_id_for_text
 from draftmesh.io_struct import Rejected, ServedResult, ServeRequest, StepEvent
@@ -25,7 +26,7 @@ from draftmesh.metrics import RayMetrics
 from draftmesh.router.auth import ApiKeyAuth
 from draftmesh.router.responses import report_to_proto, result_to_proto, step_to_proto
 from draftmesh.router.telemetry import RouterMetrics, RpcCall
-from draftmesh.router.validation import InvalidRequest, RequestLimits, parse_factcheck, parse_request
+from draftmesh.router.validation import InvalidRequest, parse_factcheck, parse_request
 from draftmesh.v1 import generation_pb2 as pb
 from draftmesh.verify.policy import available_policies
 
@@ -44,30 +45,29 @@ class RpcError(Exception):
         return f"{self.code.name}: {self.details}"
 
 
-def mesh_source_names(cfg: MeshConfig) -> list[str]:
-    from draftmesh.draft import registry
-
-    local = list(registry.DEFAULT_SOURCES if cfg.sources is None else cfg.sources)
-    return local + list(cfg.remote_sources or {})
+def mesh_source_names(cfg: DraftmeshConfig) -> list[str]:
+    """The draft sources a request may name: the verifier's own and the remote ones."""
+    local = list(registry.DEFAULT_SOURCES if cfg.sources.names is None else cfg.sources.names)
+    return local + list(cfg.sources.remote)
 
 
 @serve.deployment(name="router", health_check_period_s=10)
 class Router:
     def __init__(self, config: dict, verifier) -> None:
         tracing.setup_tracing("router")
-        cfg = MeshConfig(**config)
+        cfg = DraftmeshConfig.from_dict(config)
         self.cfg = cfg
         self.verifier = verifier
-        self.limits = RequestLimits.from_config(cfg)
-        self.auth = ApiKeyAuth.from_config(cfg)
+        self.limits = cfg.limits
+        self.auth = ApiKeyAuth.from_config(cfg.serve)
         self.sources = mesh_source_names(cfg)
         self.policies = available_policies()
         self.in_flight = 0
         self.metrics = RouterMetrics(RayMetrics())
         self.factcheck_client: FactCheckClient | None = None
         self._lag_watch: asyncio.Task | None = None
-        if cfg.factcheck:
-            self.factcheck_client = FactCheckClient(cfg.redis_url, cfg.factcheck_config())
+        if cfg.factcheck.enabled:
+            self.factcheck_client = FactCheckClient(cfg.serve.redis_url, cfg.factcheck_config())
 
     # ------------------------------------------------------------------ RPCs
     async def Generate(self, request: pb.GenerateRequest, grpc_context: RayServegRPCContext) -> AsyncIterator[pb.GenerateResponse]:
@@ -114,7 +114,7 @@ class Router:
             text, annotation_id, wait_ms = parse_factcheck(request, self.limits)
         except InvalidRequest as exc:
             raise self._fail(grpc_context, grpc.StatusCode.INVALID_ARGUMENT, str(exc))
-        wait_s = (self.cfg.factcheck_wait_ms if wait_ms is None else wait_ms) / 1000
+        wait_s = (self.cfg.factcheck.wait_ms if wait_ms is None else wait_ms) / 1000
         try:
             if text:
                 annotation_id = annotation_id_for_text("query", text)
@@ -153,9 +153,9 @@ class Router:
             req = parse_request(request, self.limits, sources=self.sources, policies=self.policies)
         except InvalidRequest as exc:
             raise self._fail(ctx, grpc.StatusCode.INVALID_ARGUMENT, str(exc))
-        if self.in_flight >= self.cfg.max_in_flight:
+        if self.in_flight >= self.cfg.serve.max_in_flight:
             raise self._fail(ctx, grpc.StatusCode.RESOURCE_EXHAUSTED,
-                             f"server busy: {self.in_flight} requests in flight (limit {self.cfg.max_in_flight}); retry later")
+                             f"server busy: {self.in_flight} requests in flight (limit {self.cfg.serve.max_in_flight}); retry later")
         self.in_flight += 1
         self.metrics.in_flight.set(self.in_flight)
         call.admitted(req.request_id, req.speculation.policy)

@@ -7,23 +7,25 @@ tests exercise is what users run.
 
 from __future__ import annotations
 
-import dataclasses
 import logging
 import os
 import time
 from dataclasses import dataclass, field
 from typing import Any, Callable
 
-from draftmesh.config import MeshConfig
+from draftmesh.config import DraftmeshConfig
+from draftmesh.factcheck.processes import WorkerProcesses
 from draftmesh.net import free_port
+from draftmesh.redis_server import EmbeddedRedis
 from draftmesh.router.app import APP_NAME, GRPC_SERVICER_FUNCTIONS, build_app
+from draftmesh.router.tls_gateway import TlsGateway, load_tls_files
 
 log = logging.getLogger(__name__)
 
 
 @dataclass
 class RunningMesh:
-    config: MeshConfig
+    config: DraftmeshConfig
     address: str
     """Where clients connect (host:port)."""
     started_s: float
@@ -46,8 +48,10 @@ class RunningMesh:
                 log.exception("error while stopping the mesh")
 
 
-def start_mesh(cfg: MeshConfig, *, ray_init: dict[str, Any] | None = None) -> RunningMesh:
-    import ray
+def start_mesh(cfg: DraftmeshConfig, *, ray_init: dict[str, Any] | None = None) -> RunningMesh:
+    """Start everything ``cfg`` asks for; its ``serve.redis_url`` (None: an embedded redis-server)
+    is taken as given (``load_config`` has already read REDIS_URL)."""
+    import ray  # lazy: Ray (seconds to import) only once a mesh is really started
     from ray import serve
     from ray.serve.config import gRPCOptions
 
@@ -56,61 +60,57 @@ def start_mesh(cfg: MeshConfig, *, ray_init: dict[str, Any] | None = None) -> Ru
     try:
         os.environ.setdefault("RAY_USAGE_STATS_ENABLED", "0")
         os.environ.setdefault("HF_HUB_OFFLINE", "1")
-        redis_url = cfg.redis_url or os.environ.get("REDIS_URL")
+        redis_url = cfg.serve.redis_url
         if not redis_url:
-            from draftmesh.redis_server import EmbeddedRedis
-
             redis = running.redis = EmbeddedRedis().start()
             running._cleanup.append(redis.stop)
             redis_url = redis.url
             log.info("embedded redis-server at %s", redis_url)
-            if cfg.address is not None:
+            if cfg.serve.address is not None:
                 log.warning("the embedded redis-server listens on this machine's loopback only; replicas on "
-                            "other nodes of %s cannot reach it: set REDIS_URL for a multi-node cluster", cfg.address)
-        cfg = dataclasses.replace(cfg, redis_url=redis_url)
+                            "other nodes of %s cannot reach it: set REDIS_URL for a multi-node cluster",
+                            cfg.serve.address)
+        cfg = cfg.replace(serve={"redis_url": redis_url})
         running.config = cfg
+        serve_cfg = cfg.serve
         workers = None
-        if cfg.factcheck and cfg.factcheck_workers:
-            from draftmesh.factcheck.processes import WorkerProcesses
-
+        if cfg.factcheck.enabled and cfg.factcheck.workers:
             # Started first: they load their checks while Ray and the models come up.
             workers = running.factcheck_workers = WorkerProcesses(
-                cfg.factcheck_config(), cfg.factcheck_workers, cfg.factcheck_python
+                cfg.factcheck_config(), cfg.factcheck.workers, cfg.factcheck.python
             ).start()
             running._cleanup.append(workers.stop)
 
         if not ray.is_initialized():
             options = dict(ray_init or {})
-            if cfg.address is None:
+            if serve_cfg.address is None:
                 # A private single-machine cluster: no token auth to configure, no dashboard;
                 # its metrics agent serves every replica's metrics on one port.
                 os.environ.setdefault("RAY_AUTH_MODE", "disabled")
-                options.setdefault("_metrics_export_port", cfg.metrics_port or free_port())
+                options.setdefault("_metrics_export_port", serve_cfg.metrics_port or free_port())
                 running.metrics_address = f"localhost:{options['_metrics_export_port']}"
-            _init_ray(cfg.address or "local", options)
+            _init_ray(serve_cfg.address or "local", options)
             running._cleanup.append(ray.shutdown)
 
-        tls = cfg.tls_cert is not None
-        proxy_port = free_port() if tls else cfg.grpc_port
+        tls = serve_cfg.tls_cert is not None
+        proxy_port = free_port() if tls else serve_cfg.grpc_port
         serve.start(
             grpc_options=gRPCOptions(port=proxy_port, grpc_servicer_functions=GRPC_SERVICER_FUNCTIONS),
             http_options={"host": "127.0.0.1", "port": free_port()},
-            logging_config={"log_level": cfg.log_level},
+            logging_config={"log_level": serve_cfg.log_level},
         )
-        if cfg.address is None:
+        if serve_cfg.address is None:
             running._cleanup.append(serve.shutdown)  # our private cluster: all of Serve goes
         # On an existing cluster only our app goes; Serve and other apps stay up.
         serve.run(build_app(cfg), name=APP_NAME, route_prefix="/", blocking=False,
-                  logging_config={"log_level": cfg.log_level})
+                  logging_config={"log_level": serve_cfg.log_level})
         running._cleanup.append(lambda: serve.delete(APP_NAME))
         address = f"localhost:{proxy_port}"
         if tls:
-            from draftmesh.router.tls_gateway import TlsGateway, load_tls_files
-
-            cert, key = load_tls_files(cfg.tls_cert, cfg.tls_key)
-            gateway = TlsGateway(f"127.0.0.1:{proxy_port}", cfg.grpc_port, cert, key).run_in_thread()
+            cert, key = load_tls_files(serve_cfg.tls_cert, serve_cfg.tls_key)
+            gateway = TlsGateway(f"127.0.0.1:{proxy_port}", serve_cfg.grpc_port, cert, key).run_in_thread()
             running._cleanup.append(gateway.stop)
-            address = f"localhost:{cfg.grpc_port}"
+            address = f"localhost:{serve_cfg.grpc_port}"
         if workers is not None:
             workers.wait_ready()
         running.address = address

@@ -14,9 +14,9 @@ from __future__ import annotations
 import math
 import re
 import uuid
-from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, Sequence
 
+from draftmesh.config import LimitsConfig
 from draftmesh.io_struct import (
     ROLES,
     FactCheckOptions,
@@ -27,16 +27,7 @@ from draftmesh.io_struct import (
 )
 
 if TYPE_CHECKING:  # pragma: no cover
-    from draftmesh.config import MeshConfig
     from draftmesh.v1 import generation_pb2
-
-MAX_ID_CHARS = 128
-"""request_id, session_id and document ids."""
-MAX_STOP_BYTES = 256
-MAX_POLICY_PARAMS = 16
-MAX_POLICY_KEY_CHARS = 64
-MAX_POLICY_VALUE_CHARS = 256
-MAX_FACTCHECK_WAIT_MS = 60_000
 
 _INT = re.compile(r"[+-]?\d+", re.ASCII)
 _FLOAT = re.compile(r"[+-]?(?:\d+\.?\d*|\.\d+)(?:[eE][+-]?\d+)?", re.ASCII)
@@ -46,45 +37,9 @@ InvalidRequest = InvalidField
 """A request field breaks a rule (the io_struct error the parameter groups raise too)."""
 
 
-@dataclass(frozen=True)
-class RequestLimits:
-    max_prompt_bytes: int
-    max_documents: int
-    max_document_bytes: int
-    max_stop_strings: int
-    default_max_new_tokens: int
-    max_new_tokens_cap: int = 8192
-    max_messages: int = 1024
-
-    def __post_init__(self) -> None:
-        for name in ("max_prompt_bytes", "max_document_bytes", "default_max_new_tokens",
-                     "max_new_tokens_cap", "max_messages"):
-            if getattr(self, name) < 1:
-                raise ValueError(f"{name} must be >= 1, got {getattr(self, name)}")
-        for name in ("max_documents", "max_stop_strings"):
-            if getattr(self, name) < 0:
-                raise ValueError(f"{name} must be >= 0, got {getattr(self, name)}")
-        if self.default_max_new_tokens > self.max_new_tokens_cap:
-            raise ValueError(
-                f"default_max_new_tokens ({self.default_max_new_tokens}) exceeds "
-                f"max_new_tokens_cap ({self.max_new_tokens_cap})"
-            )
-
-    @classmethod
-    def from_config(cls, cfg: "MeshConfig") -> "RequestLimits":
-        return cls(
-            max_prompt_bytes=cfg.max_prompt_bytes,
-            max_documents=cfg.max_documents,
-            max_document_bytes=cfg.max_document_bytes,
-            max_stop_strings=cfg.max_stop_strings,
-            default_max_new_tokens=cfg.default_max_new_tokens,
-            max_new_tokens_cap=max(8192, cfg.default_max_new_tokens),
-        )
-
-
 def parse_request(
     req: "generation_pb2.GenerateRequest",
-    limits: RequestLimits,
+    limits: LimitsConfig,
     *,
     sources: Sequence[str],
     policies: Sequence[str],
@@ -98,20 +53,20 @@ def parse_request(
     """
     prompt, messages = _prompt(req, limits)
     return ServeRequest(
-        request_id=_request_id(req.request_id, request_id),
+        request_id=_request_id(req.request_id, request_id, limits),
         prompt=prompt,
         messages=messages,
         max_new_tokens=_max_new_tokens(req, limits),
         sampling=_sampling(req),
         stop=_stop(req, limits),
-        session_id=_ident("session_id", req.session_id) or None,
+        session_id=_ident("session_id", req.session_id, limits) or None,
         documents=_documents(req, limits),
-        speculation=_speculation(req, sources, policies),
-        factcheck_options=_factcheck_options(req.factcheck),
+        speculation=_speculation(req, sources, policies, limits),
+        factcheck_options=_factcheck_options(req.factcheck, limits),
     )
 
 
-def parse_factcheck(req: "generation_pb2.FactCheckRequest", limits: RequestLimits) -> tuple[str, str, int | None]:
+def parse_factcheck(req: "generation_pb2.FactCheckRequest", limits: LimitsConfig) -> tuple[str, str, int | None]:
     """(text, annotation_id, wait_ms) of a FactCheck call; exactly one of text and id is set."""
     if bool(req.text) == bool(req.annotation_id):
         raise InvalidRequest("text", "give exactly one of text and annotation_id")
@@ -121,20 +76,20 @@ def parse_factcheck(req: "generation_pb2.FactCheckRequest", limits: RequestLimit
             raise InvalidRequest("text", f"is {size} bytes; the limit is {limits.max_prompt_bytes}")
         if not req.text.strip():
             raise InvalidRequest("text", "is blank")
-    annotation_id = _ident("annotation_id", req.annotation_id) if req.annotation_id else ""
-    return req.text, annotation_id, _wait_ms("wait_ms", req)
+    annotation_id = _ident("annotation_id", req.annotation_id, limits) if req.annotation_id else ""
+    return req.text, annotation_id, _wait_ms("wait_ms", req, limits)
 
 
-def _factcheck_options(options) -> FactCheckOptions:
+def _factcheck_options(options, limits: LimitsConfig) -> FactCheckOptions:
     enabled = options.enabled if options.HasField("enabled") else True
-    return FactCheckOptions(enabled=enabled, wait_ms=_wait_ms("factcheck.wait_ms", options))
+    return FactCheckOptions(enabled=enabled, wait_ms=_wait_ms("factcheck.wait_ms", options, limits))
 
 
-def _wait_ms(field: str, message) -> int | None:
+def _wait_ms(field: str, message, limits: LimitsConfig) -> int | None:
     if not message.HasField("wait_ms"):
         return None
-    if message.wait_ms > MAX_FACTCHECK_WAIT_MS:
-        raise InvalidRequest(field, f"must be <= {MAX_FACTCHECK_WAIT_MS}, got {message.wait_ms}")
+    if message.wait_ms > limits.max_factcheck_wait_ms:
+        raise InvalidRequest(field, f"must be <= {limits.max_factcheck_wait_ms}, got {message.wait_ms}")
     return int(message.wait_ms)
 
 
@@ -146,7 +101,7 @@ def _utf8_len(field: str, text: str) -> int:
         raise InvalidRequest(field, f"not valid text (unencodable character at offset {exc.start})") from None
 
 
-def _prompt(req, limits: RequestLimits) -> tuple[str | None, tuple[tuple[str, str], ...] | None]:
+def _prompt(req, limits: LimitsConfig) -> tuple[str | None, tuple[tuple[str, str], ...] | None]:
     if req.prompt and len(req.messages):
         raise InvalidRequest("prompt", "prompt and messages are both set; give exactly one")
     if not req.prompt and not len(req.messages):
@@ -181,7 +136,7 @@ def _prompt(req, limits: RequestLimits) -> tuple[str | None, tuple[tuple[str, st
 
 
 # ---------------------------------------------------------------------- sampling
-def _max_new_tokens(req, limits: RequestLimits) -> int:
+def _max_new_tokens(req, limits: LimitsConfig) -> int:
     if not req.HasField("max_new_tokens"):
         return limits.default_max_new_tokens
     n = req.max_new_tokens
@@ -208,7 +163,7 @@ def _sampling(req) -> SamplingParams:
 
 
 # ---------------------------------------------------------------------- text fields
-def _stop(req, limits: RequestLimits) -> tuple[str, ...]:
+def _stop(req, limits: LimitsConfig) -> tuple[str, ...]:
     if len(req.stop) > limits.max_stop_strings:
         raise InvalidRequest("stop", f"at most {limits.max_stop_strings} stop strings, got {len(req.stop)}")
     out = []
@@ -216,8 +171,8 @@ def _stop(req, limits: RequestLimits) -> tuple[str, ...]:
         field = f"stop[{i}]"
         if not raw:
             raise InvalidRequest(field, "must not be empty")
-        if len(raw) > MAX_STOP_BYTES:
-            raise InvalidRequest(field, f"{len(raw)} bytes exceeds the limit of {MAX_STOP_BYTES}")
+        if len(raw) > limits.max_stop_bytes:
+            raise InvalidRequest(field, f"{len(raw)} bytes exceeds the limit of {limits.max_stop_bytes}")
         try:
             out.append(bytes(raw).decode("utf-8"))
         except UnicodeDecodeError as exc:
@@ -227,12 +182,12 @@ def _stop(req, limits: RequestLimits) -> tuple[str, ...]:
     return tuple(out)
 
 
-def _documents(req, limits: RequestLimits) -> tuple[str, ...]:
+def _documents(req, limits: LimitsConfig) -> tuple[str, ...]:
     if len(req.documents) > limits.max_documents:
         raise InvalidRequest("documents", f"at most {limits.max_documents} documents, got {len(req.documents)}")
     out = []
     for i, doc in enumerate(req.documents):
-        _ident(f"documents[{i}].id", doc.id)
+        _ident(f"documents[{i}].id", doc.id, limits)
         field = f"documents[{i}].text"
         if not doc.text.strip():
             raise InvalidRequest(field, "must not be empty")
@@ -245,26 +200,26 @@ def _documents(req, limits: RequestLimits) -> tuple[str, ...]:
     return tuple(out)
 
 
-def _ident(field: str, value: str) -> str:
-    """An id: at most MAX_ID_CHARS printable characters (may be empty)."""
-    if len(value) > MAX_ID_CHARS:
-        raise InvalidRequest(field, f"at most {MAX_ID_CHARS} characters, got {len(value)}")
+def _ident(field: str, value: str, limits: LimitsConfig) -> str:
+    """An id: at most ``limits.max_id_chars`` printable characters (may be empty)."""
+    if len(value) > limits.max_id_chars:
+        raise InvalidRequest(field, f"at most {limits.max_id_chars} characters, got {len(value)}")
     for pos, ch in enumerate(value):
         if not ch.isprintable():
             raise InvalidRequest(field, f"must be printable (character U+{ord(ch):04X} at offset {pos})")
     return value
 
 
-def _request_id(client: str, server: str | None) -> str:
+def _request_id(client: str, server: str | None, limits: LimitsConfig) -> str:
     if client:
-        return _ident("request_id", client)
+        return _ident("request_id", client, limits)
     if server:
-        return _ident("request_id", server)
+        return _ident("request_id", server, limits)
     return uuid.uuid4().hex
 
 
 # ---------------------------------------------------------------------- speculation
-def _speculation(req, sources: Sequence[str], policies: Sequence[str]) -> SpeculationParams:
+def _speculation(req, sources: Sequence[str], policies: Sequence[str], limits: LimitsConfig) -> SpeculationParams:
     """The speculation group; names must be this mesh's sources and policies (the ranges and the
     duplicate check are SpeculationParams' own)."""
     spec = req.speculation
@@ -279,7 +234,7 @@ def _speculation(req, sources: Sequence[str], policies: Sequence[str]) -> Specul
         raise InvalidRequest(
             "speculation.policy", f"unknown acceptance policy {policy!r}; available: {', '.join(policies) or 'none'}"
         )
-    params = _policy_params(spec.policy_params)
+    params = _policy_params(spec.policy_params, limits)
     if params and policy == "exact":
         raise InvalidRequest("speculation.policy_params", "the exact policy takes no parameters")
     return SpeculationParams(
@@ -292,19 +247,19 @@ def _speculation(req, sources: Sequence[str], policies: Sequence[str]) -> Specul
     )
 
 
-def _policy_params(raw) -> dict[str, Any]:
-    if len(raw) > MAX_POLICY_PARAMS:
-        raise InvalidRequest("speculation.policy_params", f"at most {MAX_POLICY_PARAMS} parameters, got {len(raw)}")
+def _policy_params(raw, limits: LimitsConfig) -> dict[str, Any]:
+    if len(raw) > limits.max_policy_params:
+        raise InvalidRequest("speculation.policy_params", f"at most {limits.max_policy_params} parameters, got {len(raw)}")
     out: dict[str, Any] = {}
     for key in sorted(raw):
         if not key:
             raise InvalidRequest("speculation.policy_params", "parameter names must not be empty")
         field = f"speculation.policy_params[{key}]"
-        if len(key) > MAX_POLICY_KEY_CHARS or not key.isprintable():
-            raise InvalidRequest(field, f"parameter names are at most {MAX_POLICY_KEY_CHARS} printable characters")
+        if len(key) > limits.max_policy_key_chars or not key.isprintable():
+            raise InvalidRequest(field, f"parameter names are at most {limits.max_policy_key_chars} printable characters")
         value = raw[key]
-        if len(value) > MAX_POLICY_VALUE_CHARS:
-            raise InvalidRequest(field, f"value has {len(value)} characters; the limit is {MAX_POLICY_VALUE_CHARS}")
+        if len(value) > limits.max_policy_value_chars:
+            raise InvalidRequest(field, f"value has {len(value)} characters; the limit is {limits.max_policy_value_chars}")
         out[key] = _param_value(field, value)
     return out
 

@@ -18,19 +18,19 @@ from typing import Any, AsyncIterator, Mapping
 from ray import serve
 
 from draftmesh import tracing
-from draftmesh.backend import TorchTarget
-from draftmesh.config import MeshConfig
+from draftmesh.config import DraftmeshConfig
 from draftmesh.factcheck.client import FactCheckClient
 from draftmesh.io_struct import ServeRequest
 from draftmesh.metrics import RayMetrics
 from draftmesh.verify.decoder import SpeculativeDecoder
-from draftmesh.verify.engine import decoder_from_config, remote_sources
+from draftmesh.verify.engine import decoder_from_config, load_target, remote_sources
 from draftmesh.verify.factcheck_link import FactCheckLink
 from draftmesh.verify.metrics import VerifierMetrics
 from draftmesh.verify.replica import VerifierReplica
 from draftmesh.verify.session_kv import SessionKVPool
 
 log = logging.getLogger(__name__)
+
 
 class _Session:
     """What Serve's multiplexing "loads" per session: nothing but the routing affinity."""
@@ -46,27 +46,26 @@ class VerifierPool:
 
         hf_logging.disable_progress_bar()  # replica output goes to the driver's console
         tracing.setup_tracing("verifier")
-        cfg = MeshConfig(**config)
-        cfg.apply_threads()
-        target = TorchTarget.load(cfg.model, device=cfg.device, dtype=cfg.torch_dtype())
+        cfg = DraftmeshConfig.from_dict(config)
+        target = load_target(cfg.engine)
         self._cfg, self._target, self._handles = cfg, target, draft_handles
         context = serve.get_replica_context()
         name = f"{socket.gethostname()}/{context.replica_id.unique_id if context else os.getpid()}"
         self.replica = VerifierReplica(self._new_decoder(), name=name, factcheck_link=self._factcheck_link,
-                                       factcheck_wait_s=cfg.factcheck_wait_ms / 1000,
+                                       factcheck_wait_s=cfg.factcheck.wait_ms / 1000,
                                        metrics=VerifierMetrics(RayMetrics(), name))
         sources = ", ".join(s.name for s in self.replica.decoder.sources)
-        log.info("verifier replica %s ready: model %s, sources %s", name, cfg.model, sources)
+        log.info("verifier replica %s ready: model %s, sources %s", name, cfg.engine.model, sources)
 
     def _new_decoder(self) -> SpeculativeDecoder:
         cfg = self._cfg
-        pool = SessionKVPool(max_sessions=cfg.session_cache_size) if cfg.session_cache_size else None
-        extra = remote_sources(cfg, self._handles, cfg.model)
-        self._factcheck_link = self._new_factcheck_link() if cfg.factcheck else None
+        pool = SessionKVPool(max_sessions=cfg.serve.session_cache_size) if cfg.serve.session_cache_size else None
+        extra = remote_sources(cfg, self._handles, cfg.engine.model)
+        self._factcheck_link = self._new_factcheck_link() if cfg.factcheck.enabled else None
         return decoder_from_config(self._target, cfg, extra_sources=extra, kv_pool=pool, flag_provider=self._factcheck_link)
 
     def _new_factcheck_link(self) -> FactCheckLink:
-        client = FactCheckClient(self._cfg.redis_url, self._cfg.factcheck_config())
+        client = FactCheckClient(self._cfg.serve.redis_url, self._cfg.factcheck_config())
         return FactCheckLink(client, self._target.tokenizer)
 
     @serve.multiplexed(max_num_models_per_replica=1024)

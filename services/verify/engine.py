@@ -3,17 +3,18 @@ tree builder, into a decoder."""
 
 from __future__ import annotations
 
+import dataclasses
 from typing import Any, Mapping, Sequence
 
 from draftmesh.backend import TorchTarget
-from draftmesh.config import EngineConfig, MeshConfig
+from draftmesh.config import BuilderConfig, DraftmeshConfig, EngineConfig
 from draftmesh.draft import registry
 from draftmesh.draft.base import DraftSource
 from draftmesh.draft.grpc_source import GrpcDraftSource
 from draftmesh.draft.remote import ServeHandleSource
 from draftmesh.verify.decoder import FlagProvider, SpeculativeDecoder
 from draftmesh.verify.session_kv import SessionKVPool
-from draftmesh.verify.tree_builder import BuilderConfig, CostAwareTreeBuilder, default_aligner
+from draftmesh.verify.tree_builder import CostAwareTreeBuilder, default_aligner
 
 
 def build_decoder(
@@ -21,7 +22,7 @@ def build_decoder(
     sources: Sequence[str] | None = None,
     *,
     source_options: Mapping[str, Mapping] | None = None,
-    max_nodes: int = 64,
+    max_nodes: int | None = None,
     builder_config: BuilderConfig | None = None,
     redis_url: str | None = None,
     source_deadline_s: float | None = 0.1,
@@ -35,7 +36,8 @@ def build_decoder(
     The tree budget comes from the target's verify cost curve, measured here once if the
     target has none yet. Each step waits at most ``source_deadline_s`` for the sources
     (None: call them inline, without a deadline). ``extra_sources`` are already built (remote
-    sources: a Serve draft deployment, an external gRPC DraftSource).
+    sources: a Serve draft deployment, an external gRPC DraftSource). ``max_nodes`` overrides
+    the builder config's node cap.
     """
     names = registry.DEFAULT_SOURCES if sources is None else tuple(sources)
     options = source_options or {}
@@ -46,7 +48,9 @@ def build_decoder(
     built = [registry.create(name, env, **dict(options.get(name, {}))) for name in names] + list(extra_sources)
     if built and not target.cost_curve:
         target.measure_cost_curve()
-    config = builder_config or BuilderConfig(max_nodes=max_nodes)
+    config = builder_config or BuilderConfig()
+    if max_nodes is not None:
+        config = dataclasses.replace(config, max_nodes=max_nodes)
     builder = CostAwareTreeBuilder(target.cost_curve or {1: 1.0}, config, aligner=default_aligner(target.tokenizer))
     return SpeculativeDecoder(target, built, builder, flag_provider=flag_provider,
                               source_deadline_s=source_deadline_s, kv_pool=kv_pool, trace_steps=trace_steps)
@@ -60,35 +64,35 @@ def load_target(cfg: EngineConfig) -> TorchTarget:
 
 def decoder_from_config(
     target: TorchTarget,
-    cfg: EngineConfig,
+    cfg: DraftmeshConfig,
     *,
     extra_sources: Sequence[DraftSource] = (),
     kv_pool: SessionKVPool | None = None,
     flag_provider: FlagProvider | None = None,
 ) -> SpeculativeDecoder:
-    """``build_decoder`` with the config's sources, options, node cap, source deadline and Redis."""
+    """``build_decoder`` with the config's sources, their options and deadline, its builder and Redis."""
     return build_decoder(
         target,
-        cfg.sources,
-        source_options=cfg.source_options,
-        max_nodes=cfg.max_nodes,
-        source_deadline_s=cfg.source_deadline_s,
-        redis_url=getattr(cfg, "redis_url", None),
+        cfg.sources.names,
+        source_options=cfg.sources.options,
+        builder_config=cfg.builder,
+        source_deadline_s=cfg.sources.deadline_s,
+        redis_url=cfg.serve.redis_url,
         extra_sources=extra_sources,
         kv_pool=kv_pool,
         flag_provider=flag_provider,
-        trace_steps=cfg.trace_steps,
+        trace_steps=cfg.engine.trace_steps,
     )
 
 
-def remote_sources(cfg: MeshConfig, handles: Mapping[str, Any], tokenizer_name: str) -> list[DraftSource]:
+def remote_sources(cfg: DraftmeshConfig, handles: Mapping[str, Any], tokenizer_name: str) -> list[DraftSource]:
     """Sources outside the verifier replica: Serve draft deployments by handle, external gRPC by address."""
-    deadline = cfg.source_deadline_s or 1.0
+    deadline = cfg.sources.deadline_s or 1.0
     out: list[DraftSource] = []
-    for name, spec in (cfg.remote_sources or {}).items():
-        if "address" in spec:  # from_spec reads the entry's own timeout_ms
+    for name, spec in cfg.sources.remote.items():
+        if spec.external:  # from_spec reads the entry's own timeout_ms
             out.append(GrpcDraftSource.from_spec(name, spec, tokenizer_name=tokenizer_name, default_timeout_s=deadline))
         else:
-            timeout = spec.get("timeout_ms", 1000 * deadline) / 1000
+            timeout = (spec.timeout_ms if spec.timeout_ms is not None else 1000 * deadline) / 1000
             out.append(ServeHandleSource(name, handles[name], tokenizer_name=tokenizer_name, timeout_s=max(timeout, 1.0)))
     return out

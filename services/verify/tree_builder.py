@@ -24,9 +24,10 @@ from __future__ import annotations
 import bisect
 import logging
 from collections import OrderedDict
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Mapping, Sequence
 
+from draftmesh.config import BuilderConfig
 from draftmesh.draft.align import TextAligner
 from draftmesh.draft.base import DraftContext, Proposal
 from draftmesh.tree import DraftSequence, TokenTree
@@ -36,32 +37,6 @@ log = logging.getLogger(__name__)
 
 MAX_DEPTH_BUCKET = 8
 CONFIDENCE_BINS = 5
-
-
-@dataclass
-class BuilderConfig:
-    max_nodes: int = 64
-    """Hard cap on tree nodes (the cost curve decides below it)."""
-    prior: tuple[float, float] = (3.0, 2.0)
-    """Beta(accepted, rejected) prior at depth 1, its first term scaled by the proposal's confidence."""
-    deep_prior: tuple[float, float] = (9.0, 1.0)
-    """Prior for depth > 1 given the parent was accepted: a draft that has started to match
-    usually goes on matching (history drafts measured 0.87-0.96 at depths 2-8)."""
-    source_priors: Mapping[str, tuple[float, float]] = field(default_factory=dict)
-    min_gain: float = 1.02
-    """Speculate only when the expected speedup over a plain step is at least this."""
-    fallback_after: int = 4
-    """Consecutive steps with a tree but no accepted token before a cool-down."""
-    cooldown_steps: int = 8
-
-    def __post_init__(self) -> None:
-        if self.max_nodes < 0:
-            raise ValueError(f"max_nodes must be >= 0, got {self.max_nodes}")
-        for name, (a, b) in {"prior": self.prior, "deep_prior": self.deep_prior, **self.source_priors}.items():
-            if a <= 0 or b <= 0:
-                raise ValueError(f"Beta prior for {name!r} must be positive, got {(a, b)}")
-        if self.fallback_after < 1 or self.cooldown_steps < 0:
-            raise ValueError("fallback_after must be >= 1 and cooldown_steps >= 0")
 
 
 class CostModel:

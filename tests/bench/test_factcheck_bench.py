@@ -57,7 +57,8 @@ def test_select_items_takes_one_per_kind_first():
 def test_arguments():
     parser = build_parser()
     args = parser.parse_args([])
-    assert args.backends == ["spacy", "flair"] and args.policy == "typical" and args.threads == 2
+    assert args.backends == ["spacy", "flair"] and args.policy == "typical"
+    assert args.threads is None and parser.parse_args(["--threads", "2", "--model", "m"]).threads == 2  # config flags
     assert args.repeats >= 1 and args.items >= 1 and args.output_wait_s > 0
     args = parser.parse_args(["--backends", "flair,spacy,flair", "--spans", "7", "--max-new-tokens", "16"])
     assert args.backends == ["flair", "spacy"] and args.spans == 7 and args.max_new_tokens == 16

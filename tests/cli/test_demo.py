@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import io
 
-from draftmesh.config import EngineConfig
+from draftmesh.config import DraftmeshConfig
 from draftmesh.cli.demo import run_demo
 from tiny_models import tiny_target
 
@@ -14,7 +14,8 @@ def test_demo_runs_and_reports_identical_outputs(tmp_path):
     tiny.model.save_pretrained(tmp_path)
     tiny.tokenizer.save_pretrained(tmp_path)
     out = io.StringIO()
-    summary = run_demo(EngineConfig(model=str(tmp_path), threads=1), repeats=1, max_new_tokens=12, out=out)
+    cfg = DraftmeshConfig().replace(engine={"model": str(tmp_path), "threads": 1})
+    summary = run_demo(cfg, repeats=1, max_new_tokens=12, out=out)
     text = out.getvalue()
     assert "plain greedy:" in text and "speculative greedy:" in text and "verify cost curve" in text
     assert summary["identical"] and summary["repeat_identical"]

@@ -5,7 +5,6 @@ health checks probe what the services really expose)."""
 from __future__ import annotations
 
 import json
-import os
 import re
 from pathlib import Path
 from urllib.parse import urlsplit
@@ -24,7 +23,7 @@ from deploy.deploy_files import (
     parse_duration,
     parse_port,
 )
-from draftmesh.config import FactCheckConfig, MeshConfig, config_from_args
+from draftmesh.config import DraftmeshConfig, FactCheckConfig, config_from_args
 
 SCHEMA = ROOT / "tests" / "fixtures" / "schemas" / "compose-spec.json"
 # Which service plays which part; the tests find them by what they run, and check these names.
@@ -74,8 +73,8 @@ def _dispatched(services, name: str, subcommand: str, monkeypatch, clean_env):
     return args
 
 
-def _mesh_config(services, monkeypatch, clean_env) -> MeshConfig:
-    return config_from_args(_dispatched(services, MESH, "serve", monkeypatch, clean_env), MeshConfig)
+def _mesh_config(services, monkeypatch, clean_env) -> DraftmeshConfig:
+    return config_from_args(_dispatched(services, MESH, "serve", monkeypatch, clean_env))
 
 
 def _worker_config(services, monkeypatch, clean_env) -> tuple[FactCheckConfig, object]:
@@ -190,18 +189,18 @@ def test_long_running_services_restart(services):
 
 def test_mesh_command_is_a_valid_mesh_config(services, monkeypatch, clean_env):
     cfg = _mesh_config(services, monkeypatch, clean_env)
-    assert cfg.factcheck, "the mesh must produce fact-check spans for the worker service"
-    assert cfg.factcheck_workers == 0, "the worker runs in its own service; the mesh must not start more"
-    assert cfg.address is None and cfg.tls_cert is None
+    assert cfg.factcheck.enabled, "the mesh must produce fact-check spans for the worker service"
+    assert cfg.factcheck.workers == 0, "the worker runs in its own service; the mesh must not start more"
+    assert cfg.serve.address is None and cfg.serve.tls_cert is None
 
 
 def test_mesh_ports_match_its_config_and_image(services, monkeypatch, clean_env):
     cfg = _mesh_config(services, monkeypatch, clean_env)
     ports = [parse_port(p) for p in services[MESH]["ports"]]
     targets = {target for _, _, target, _ in ports}
-    assert targets == {cfg.grpc_port, cfg.metrics_port}
+    assert targets == {cfg.serve.grpc_port, cfg.serve.metrics_port}
     assert all(published == target for _, published, target, _ in ports), "the documented host ports"
-    assert cfg.metrics_port != 0
+    assert cfg.serve.metrics_port != 0
     assert targets <= _dockerfile(services[MESH]).exposed_ports()
 
 
@@ -213,24 +212,25 @@ def test_mesh_healthcheck_probes_its_grpc_port(services, monkeypatch, clean_env)
     command, args = dispatch(test[2:], monkeypatch)
     assert command == "health"
     host, _, port = args.addr.rpartition(":")
-    assert host in ("localhost", "127.0.0.1") and int(port) == cfg.grpc_port
+    assert host in ("localhost", "127.0.0.1") and int(port) == cfg.serve.grpc_port
     assert args.timeout < parse_duration(check["timeout"]), "the probe must finish before Docker gives up on it"
     assert parse_duration(check["start_period"]) >= 60, "Ray, Serve and the models need time to start"
 
 
 def test_redis_urls_point_at_the_redis_service(services, monkeypatch, clean_env):
     cfg = _mesh_config(services, monkeypatch, clean_env)
-    mesh_url = cfg.redis_url or os.environ.get("REDIS_URL")  # as draftmesh.router.launcher resolves it
+    mesh_url = cfg.serve.redis_url  # REDIS_URL already read by the config loader
     assert mesh_url, "without a Redis URL the mesh would start its own embedded redis-server"
     worker_cfg, _ = _worker_config(services, monkeypatch, clean_env)
-    worker_url = worker_cfg.redis_url or os.environ.get("REDIS_URL")
+    worker_url = worker_cfg.redis_url
     for url in (mesh_url, worker_url):
         parts = urlsplit(url)
         assert parts.scheme == "redis" and parts.hostname in _hostnames(services, REDIS), url
         assert (parts.port or 6379) == 6379, url
     assert mesh_url == worker_url, "producers (mesh) and consumers (worker) must use the same Redis and database"
     # ...and the same stream names
-    produced = MeshConfig(**{**cfg.to_dict(), "redis_url": mesh_url}).factcheck_config()
+    produced = cfg.factcheck_config()
+    assert produced.redis_url == worker_url
     assert produced.stream_prefix == worker_cfg.stream_prefix
 
 

@@ -345,16 +345,16 @@ def test_entrypoints_are_the_console_script_and_a_real_subcommand(dockerfile):
 
 
 def test_mesh_command_parses_into_a_valid_mesh_config(mesh, monkeypatch):
-    from draftmesh.config import MeshConfig, config_from_args
+    from draftmesh.config import config_from_args
 
     entry, cmd = mesh.entrypoint_and_cmd()
     assert entry == ["draftmesh"]
     command, args = dispatch(entry[1:] + cmd, monkeypatch)
     assert command == "serve"
-    cfg = config_from_args(args, MeshConfig)
-    assert cfg.factcheck_workers == 0, "the worker runs in its own container"
-    assert cfg.metrics_port != 0, "a published metrics port must be fixed, not random"
-    assert mesh.exposed_ports() == {cfg.grpc_port, cfg.metrics_port}
+    cfg = config_from_args(args)
+    assert cfg.factcheck.workers == 0, "the worker runs in its own container"
+    assert cfg.serve.metrics_port != 0, "a published metrics port must be fixed, not random"
+    assert mesh.exposed_ports() == {cfg.serve.grpc_port, cfg.serve.metrics_port}
 
 
 def test_worker_command_parses_with_the_worker_parser(worker, monkeypatch):
@@ -394,11 +394,11 @@ def test_healthchecks_parse_and_fit_their_timeouts(dockerfile, monkeypatch):
         assert command == "health"
         assert args.timeout < timeout, "the probe's own timeout must end before Docker kills it"
         entry, cmd = dockerfile.entrypoint_and_cmd()
-        from draftmesh.config import MeshConfig, config_from_args
+        from draftmesh.config import config_from_args
 
         _, serve_args = dispatch(entry[1:] + cmd, monkeypatch)
         host, _, port = args.addr.rpartition(":")
-        assert host in ("localhost", "127.0.0.1") and int(port) == config_from_args(serve_args, MeshConfig).grpc_port
+        assert host in ("localhost", "127.0.0.1") and int(port) == config_from_args(serve_args).serve.grpc_port
     else:
         assert argv[:2] == ["test", "-f"]
         from draftmesh.factcheck.worker import build_parser

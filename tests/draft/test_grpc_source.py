@@ -12,6 +12,7 @@ from pathlib import Path
 import grpc
 import pytest
 
+from draftmesh.config import RemoteSource
 from draftmesh.draft import registry, wire
 from draftmesh.draft.base import DraftContext, Proposal
 from draftmesh.draft.grpc_server import DraftSourceServicer, serve_source
@@ -254,7 +255,7 @@ def test_constructor_checks():
         GrpcDraftSource("x", "no-port")
     with pytest.raises(ValueError):
         GrpcDraftSource("x", "127.0.0.1:1", timeout_s=0)
-    spec = GrpcDraftSource.from_spec("x", {"address": "127.0.0.1:1", "timeout_ms": 50, "token_ids": True})
+    spec = GrpcDraftSource.from_spec("x", RemoteSource(address="127.0.0.1:1", timeout_ms=50, token_ids=True))
     assert spec.timeout_s == pytest.approx(0.05) and spec.token_ids_ok and not spec.secure
 
 

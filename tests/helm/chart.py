@@ -51,7 +51,7 @@ VALUE_SETS: dict[str, dict[str, Any]] = {
     },
     "factcheck-off": {"factcheck": {"enabled": False}},
     # Most knobs at once: autoscaling, keys from values, a draft LLM deployment on a GPU
-    # fraction, an external gRPC source, worker options, extra MeshConfig fields, an external
+    # fraction, an external gRPC source, worker options, extra config fields by section, an external
     # collector over OTLP/HTTP, Redis persistence.
     "full": {
         "verifier": {"model": "gemma3-270m", "replicas": 2, "dtype": "float16", "numGpus": 0.5,
@@ -65,7 +65,9 @@ VALUE_SETS: dict[str, dict[str, Any]] = {
                                     "timeoutMs": 250, "options": {"device": "cuda:0"}}},
             "external": {"kb": {"address": "kb-drafts.search:9100", "timeoutMs": 80}},
         },
-        "meshConfig": {"max_nodes": 48, "trace_steps": 32, "default_max_new_tokens": 512, "session_cache_size": 128},
+        "meshConfig": {"builder": {"max_nodes": 48, "min_gain": 1.1, "prior": [4, 1]}, "engine": {"trace_steps": 32},
+                       "limits": {"default_max_new_tokens": 512, "max_stop_strings": 4},
+                       "serve": {"session_cache_size": 128}, "factcheck": {"wait_ms": 500}},
         "factcheck": {"replicas": 3, "options": {"concurrency": 2, "max_lag": 2000, "stream_prefix": "dm:fc",
                                                  "wikidata": "offline", "wikidata_dump": ["/data/a.json", "/data/b.json"]}},
         "tracing": {"enabled": True, "otlpEndpoint": "http://otel-collector.observability:4318",

@@ -1,8 +1,8 @@
 """serveConfigV2 deploys the same application as `draftmesh serve` with the same settings.
 
-The expected config is derived from the values (the chart's documented mapping onto MeshConfig
-fields), written to a YAML file and loaded by the real `draftmesh serve --config` path; the
-rendered args must give an equal MeshConfig. Ray Serve's own schema validates the Serve config,
+The expected config is derived from the values (the chart's documented mapping onto the config's
+sections), written to a YAML file and loaded by the real `draftmesh serve --config` path; the
+rendered args must give an equal DraftmeshConfig. Ray Serve's own schema validates the Serve config,
 and build_app (no Ray started) shows what the deployments get."""
 
 from __future__ import annotations
@@ -14,7 +14,7 @@ import pytest
 import yaml
 
 from deploy.deploy_files import dispatch
-from draftmesh.config import MeshConfig, config_from_args
+from draftmesh.config import DraftmeshConfig, config_from_args
 from draftmesh.cli.health import DEFAULT_APPLICATION
 from draftmesh.router.app import APP_NAME, GRPC_SERVICER_FUNCTIONS
 from helm.chart import Rendered, render
@@ -37,27 +37,30 @@ def expected_settings(r: Rendered) -> dict[str, Any]:
     """What a `draftmesh serve --config` file holds for these values (the mapping values.yaml documents)."""
     v = r.merged
     head_params = r.rayservice["spec"]["rayClusterConfig"]["headGroupSpec"]["rayStartParams"]
+    auth = v["auth"]
     settings: dict[str, Any] = {
-        "model": v["verifier"]["model"],
-        "device": v["verifier"]["device"],
-        "dtype": v["verifier"]["dtype"],
-        "verifier_replicas": v["verifier"]["replicas"],
-        "verifier_num_gpus": v["verifier"]["numGpus"],
-        "verifier_num_cpus": v["verifier"]["numCpus"],
-        "verifier_max_ongoing": v["verifier"]["maxOngoingRequests"],
-        "router_replicas": v["router"]["replicas"],
-        "max_in_flight": v["router"]["maxInFlight"],
-        "sources": v["sources"]["enabled"],
-        "source_options": v["sources"]["options"] or None,
-        "grpc_port": v["grpc"]["port"],
-        # On an existing cluster, metrics_port documents the nodes' own metrics export port.
-        "metrics_port": int(head_params["metrics-export-port"]),
-        "redis_url": expected_redis_url(r),
-        "log_level": v["rayService"]["logLevel"],
-        "factcheck": v["factcheck"]["enabled"],
-        "factcheck_workers": 0,  # the workers are their own Deployment
-        "factcheck_options": v["factcheck"]["options"] or None,
+        "engine": {"model": v["verifier"]["model"], "device": v["verifier"]["device"], "dtype": v["verifier"]["dtype"]},
+        "sources": {"names": v["sources"]["enabled"]},
+        "serve": {
+            "verifier_replicas": v["verifier"]["replicas"],
+            "verifier_num_gpus": v["verifier"]["numGpus"],
+            "verifier_num_cpus": v["verifier"]["numCpus"],
+            "verifier_max_ongoing": v["verifier"]["maxOngoingRequests"],
+            "router_replicas": v["router"]["replicas"],
+            "max_in_flight": v["router"]["maxInFlight"],
+            "grpc_port": v["grpc"]["port"],
+            # On an existing cluster, metrics_port documents the nodes' own metrics export port.
+            "metrics_port": int(head_params["metrics-export-port"]),
+            "redis_url": expected_redis_url(r),
+            "log_level": v["rayService"]["logLevel"],
+        },
+        # the workers are their own Deployment; their options are the mesh's too
+        "factcheck": {"enabled": v["factcheck"]["enabled"], "workers": 0, **v["factcheck"]["options"]},
     }
+    if auth["apiKeys"] or auth["existingSecret"]:
+        settings["serve"]["api_keys_file"] = f"{auth['mountPath'].rstrip('/')}/{auth['secretKey']}"
+    if v["sources"]["options"]:
+        settings["sources"]["options"] = v["sources"]["options"]
     remote = {}
     for name, d in v["sources"]["deployments"].items():
         if d["enabled"]:
@@ -69,18 +72,20 @@ def expected_settings(r: Rendered) -> dict[str, Any]:
             remote[name] = spec
     for name, e in v["sources"]["external"].items():
         remote[name] = {"address": e["address"], **({"timeout_ms": e["timeoutMs"]} if e.get("timeoutMs") else {})}
-    settings["remote_sources"] = remote or None
-    settings.update(v["meshConfig"])
-    return {k: val for k, val in settings.items() if val is not None}
+    if remote:
+        settings["sources"]["remote"] = remote
+    for section, fields in v["meshConfig"].items():
+        settings.setdefault(section, {}).update(fields)
+    return settings
 
 
-def serve_cli_config(settings: dict[str, Any], tmp_path, monkeypatch) -> MeshConfig:
-    """The MeshConfig `draftmesh serve --config <file>` builds (the real CLI parser and loader)."""
+def serve_cli_config(settings: dict[str, Any], tmp_path, monkeypatch) -> DraftmeshConfig:
+    """The config `draftmesh serve --config <file>` builds (the real CLI parser and loader)."""
     path = tmp_path / "mesh.yaml"
     path.write_text(yaml.safe_dump(settings), encoding="utf-8")
     command, args = dispatch(["serve", "--config", str(path)], monkeypatch)
     assert command == "serve"
-    return config_from_args(args, MeshConfig)
+    return config_from_args(args)
 
 
 # --------------------------------------------------------------------------- the Serve config
@@ -99,19 +104,19 @@ def test_serve_config_is_valid_for_ray_serve(rendered):
 def test_grpc_options_are_the_launchers(rendered):
     """`draftmesh serve` starts Serve with gRPCOptions(port=cfg.grpc_port, GRPC_SERVICER_FUNCTIONS)."""
     grpc = rendered.serve_config["grpc_options"]
-    cfg = MeshConfig(**rendered.mesh_args)
-    assert grpc["port"] == cfg.grpc_port == rendered.merged["grpc"]["port"]
+    cfg = DraftmeshConfig.from_dict(rendered.mesh_args)
+    assert grpc["port"] == cfg.serve.grpc_port == rendered.merged["grpc"]["port"]
     assert grpc["grpc_servicer_functions"] == GRPC_SERVICER_FUNCTIONS
     assert rendered.serve_config["proxy_location"] == "EveryNode", "a proxy beside every replica"
-    assert rendered.serve_config["logging_config"]["log_level"] == cfg.log_level
+    assert rendered.serve_config["logging_config"]["log_level"] == cfg.serve.log_level
 
 
 def test_args_equal_what_draftmesh_serve_loads(rendered, tmp_path, monkeypatch, clean_env):
     clean_env({})
-    from_chart = MeshConfig(**rendered.mesh_args)
+    from_chart = DraftmeshConfig.from_dict(rendered.mesh_args)
     from_cli = serve_cli_config(expected_settings(rendered), tmp_path, monkeypatch)
     assert from_chart == from_cli
-    assert from_chart.to_dict() == MeshConfig(**from_chart.to_dict()).to_dict()
+    assert from_chart == DraftmeshConfig.from_dict(from_chart.to_dict())
 
 
 def test_the_comparison_notices_a_wrong_value(tmp_path, monkeypatch, clean_env):
@@ -119,14 +124,15 @@ def test_the_comparison_notices_a_wrong_value(tmp_path, monkeypatch, clean_env):
     clean_env({})
     r = render("gpu-pool-4")
     settings = expected_settings(r)
-    settings["verifier_replicas"] += 1
-    assert MeshConfig(**r.mesh_args) != serve_cli_config(settings, tmp_path, monkeypatch)
+    settings["serve"]["verifier_replicas"] += 1
+    assert DraftmeshConfig.from_dict(r.mesh_args) != serve_cli_config(settings, tmp_path, monkeypatch)
 
 
 def test_the_verifier_follows_the_values(rendered):
-    cfg = MeshConfig(**rendered.mesh_args)
+    cfg = DraftmeshConfig.from_dict(rendered.mesh_args)
     v = rendered.merged["verifier"]
-    assert (cfg.verifier_replicas, cfg.verifier_num_gpus, cfg.device, cfg.dtype, cfg.model) == (
+    assert (cfg.serve.verifier_replicas, cfg.serve.verifier_num_gpus, cfg.engine.device, cfg.engine.dtype,
+            cfg.engine.model) == (
         v["replicas"], v["numGpus"], v["device"], v["dtype"], v["model"])
     # ... and the values are the ones the test passed, not only the chart's defaults.
     for key, value in rendered.values.get("verifier", {}).items():
@@ -135,10 +141,10 @@ def test_the_verifier_follows_the_values(rendered):
 
 
 def test_no_secret_or_unsupported_field_reaches_the_app_config(rendered):
-    cfg = MeshConfig(**rendered.mesh_args)
-    assert cfg.api_keys is None, "keys come from the mounted Secret, never from serveConfigV2"
-    assert cfg.tls_cert is None and cfg.tls_key is None and cfg.address is None
-    assert cfg.factcheck_workers == 0
+    cfg = DraftmeshConfig.from_dict(rendered.mesh_args)
+    assert cfg.serve.api_keys is None, "keys come from the mounted Secret, never from serveConfigV2"
+    assert cfg.serve.tls_cert is None and cfg.serve.tls_key is None and cfg.serve.address is None
+    assert cfg.factcheck.workers == 0 and cfg.factcheck.python is None
 
 
 @pytest.mark.parametrize("name", ["default", "gpu-pool-4", "full"])
@@ -262,7 +268,7 @@ def test_gpu_pool_of_4():
     assert group["replicas"] * int(group["template"]["spec"]["containers"][0]["resources"]["limits"]["nvidia.com/gpu"]) >= 4
     assert group["replicas"] == math.ceil(4 / 2)
     assert group["template"]["spec"]["containers"][0]["image"].endswith(":cuda")
-    assert MeshConfig(**r.mesh_args).dtype == "bfloat16"
+    assert DraftmeshConfig.from_dict(r.mesh_args).engine.dtype == "bfloat16"
 
 
 def test_the_fit_check_is_not_trivial():
@@ -274,8 +280,8 @@ def test_the_head_runs_no_replicas_and_serves_grpc(rendered):
     head = rendered.rayservice["spec"]["rayClusterConfig"]["headGroupSpec"]
     assert head["rayStartParams"]["num-cpus"] == "0"
     ports = {p["name"]: p["containerPort"] for p in head["template"]["spec"]["containers"][0]["ports"]}
-    cfg = MeshConfig(**rendered.mesh_args)
-    assert ports["serve-grpc"] == cfg.grpc_port, "KubeRay's serve Service takes the port named serve-grpc"
+    cfg = DraftmeshConfig.from_dict(rendered.mesh_args)
+    assert ports["serve-grpc"] == cfg.serve.grpc_port, "KubeRay's serve Service takes the port named serve-grpc"
     assert ports["serve"] == rendered.serve_config["http_options"]["port"], "KubeRay requires a port named serve"
     assert ports["dashboard"] == 8265 and ports["gcs-server"] == 6379
 

@@ -1,29 +1,31 @@
 """values.yaml and values.schema.json: wrong values fail at install time (Helm validates the schema
 before rendering) with a message that names the key; the schema's vocabularies are the app's own
-(draft source names, dtypes, log levels, MeshConfig and FactCheckConfig fields); every key of
+(draft source names, dtypes, log levels, DraftmeshConfig and FactCheckConfig fields); every key of
 values.yaml is documented."""
 
 from __future__ import annotations
 
 import copy
-import dataclasses
 import re
 import typing
 
 import pytest
 
-from draftmesh.config import Dtype, FactCheckConfig, LogLevel, MeshConfig, NerBackendName, WikidataMode
+from draftmesh.config import (
+    DraftmeshConfig, Dtype, FactCheckConfig, LogLevel, NerBackendName, WikidataMode, leaves,
+)
 from draftmesh.draft.registry import DEFAULT_SOURCES, available
 from helm.chart import CHART_DIR, NAMESPACE, RELEASE, chart
 
-# MeshConfig fields the chart sets from its structured values (the rest go through meshConfig).
+# Config fields the chart sets from its structured values (the rest go through meshConfig).
 CHART_OWNED = {
-    "model", "device", "dtype", "sources", "source_options", "remote_sources", "grpc_port", "metrics_port",
-    "verifier_replicas", "verifier_num_gpus", "verifier_num_cpus", "verifier_max_ongoing", "router_replicas",
-    "max_in_flight", "redis_url", "log_level", "factcheck", "factcheck_workers", "factcheck_options",
-}
-# MeshConfig fields that do not apply on Kubernetes (documented in values.yaml and helm/README.md).
-NOT_APPLICABLE = {"address", "api_keys", "tls_cert", "tls_key", "factcheck_python"}
+    "engine.model", "engine.device", "engine.dtype", "sources.names", "sources.options", "sources.remote",
+    "serve.grpc_port", "serve.metrics_port", "serve.verifier_replicas", "serve.verifier_num_gpus",
+    "serve.verifier_num_cpus", "serve.verifier_max_ongoing", "serve.router_replicas", "serve.max_in_flight",
+    "serve.redis_url", "serve.log_level", "serve.api_keys_file", "factcheck.enabled", "factcheck.workers",
+} | {f"factcheck.{leaf.name}" for leaf in leaves(FactCheckConfig)}  # the workers' options (factcheck.options)
+# Config fields that do not apply on Kubernetes (documented in values.yaml and helm/README.md).
+NOT_APPLICABLE = {"serve.address", "serve.api_keys", "serve.tls_cert", "serve.tls_key", "factcheck.python"}
 
 
 def schema_at(*path: str) -> dict:
@@ -60,8 +62,10 @@ def install_error(values: dict) -> str:
     ({"verifier": {"dtype": "fp8"}}, ["/verifier/dtype", "'bfloat16'"]),
     ({"verifierr": {"replicas": 2}}, ["additional properties", "verifierr"]),
     ({"verifier": {"replica": 2}}, ["/verifier", "replica"]),
-    ({"meshConfig": {"api_keys": ["k"]}}, ["/meshConfig", "api_keys"]),
-    ({"meshConfig": {"max_nodes": -1}}, ["/meshConfig/max_nodes", "-1"]),
+    ({"meshConfig": {"serve": {"api_keys": ["k"]}}}, ["/meshConfig/serve", "api_keys"]),
+    ({"meshConfig": {"max_nodes": 4}}, ["/meshConfig", "max_nodes"]),
+    ({"meshConfig": {"builder": {"max_nodes": -1}}}, ["/meshConfig/builder/max_nodes", "-1"]),
+    ({"meshConfig": {"builder": {"prior": [1, 0]}}}, ["/meshConfig/builder/prior/1"]),
     ({"verifier": {"numGpus": 1.5}}, ["/verifier/numGpus"]),
     ({"verifier": {"numGpus": 1, "device": "cpu"}}, ["/verifier/device", "cuda"]),
     ({"auth": {"apiKeys": ["has space"]}}, ["/auth/apiKeys/0"]),
@@ -104,7 +108,7 @@ def test_the_rejections_are_not_blanket():
     """Near misses of the wrong values above are accepted."""
     for values in ({"verifier": {"replicas": 1, "dtype": "float16", "numGpus": 0.5}},
                    {"sources": {"enabled": ["history", "prompt_lookup"]}},
-                   {"meshConfig": {"max_nodes": 0, "threads": 2}},
+                   {"meshConfig": {"builder": {"max_nodes": 0}, "engine": {"threads": 2}}},
                    {"factcheck": {"options": {"ner": "flair", "wikidata": "offline", "wikidata_dump": ["/d.json"]}}}):
         chart().validate_schema(copy.deepcopy(values))
         assert install_error(values) == ""
@@ -130,31 +134,40 @@ def test_enums_are_the_apps():
     assert fc["wikidata"]["enum"] == list(typing.get_args(WikidataMode))
 
 
-def test_every_meshconfig_field_is_placed():
-    """A new MeshConfig field must be given a place in the chart (or declared not applicable)."""
-    fields = {f.name for f in dataclasses.fields(MeshConfig)}
-    passthrough = set(schema_at("meshConfig")["properties"])
+def _passthrough() -> dict[str, dict]:
+    """meshConfig's schema: {"section.field": its schema node}."""
+    return {f"{section}.{name}": spec for section, node in schema_at("meshConfig")["properties"].items()
+            for name, spec in node["properties"].items()}
+
+
+def test_every_config_field_is_placed():
+    """A new config field must be given a place in the chart (or declared not applicable)."""
+    fields = {leaf.name for leaf in leaves()}
+    passthrough = set(_passthrough())
     assert passthrough <= fields
     assert not passthrough & CHART_OWNED and not passthrough & NOT_APPLICABLE
     assert passthrough | CHART_OWNED | NOT_APPLICABLE == fields
 
 
-def test_factcheck_options_are_factcheckconfig_fields():
-    fields = {f.name for f in dataclasses.fields(FactCheckConfig)}
+def test_factcheck_options_are_the_workers_fields():
+    fields = {leaf.name for leaf in leaves(FactCheckConfig)}
     assert set(schema_at("factcheck", "options")["properties"]) == fields - {"redis_url"}
 
 
-def test_meshconfig_passthrough_bounds_match_the_app():
-    """Every bound the schema puts on meshConfig is one MeshConfig itself enforces (and vice versa)."""
-    defaults = MeshConfig()
-    for name, spec in schema_at("meshConfig")["properties"].items():
-        low = spec["minimum"]
-        MeshConfig(**{name: low})  # the schema's lowest value is valid for the app
-        if low > 0 or name in ("threads", "source_deadline_ms", "max_nodes", "trace_steps", "max_documents",
-                               "session_cache_size", "factcheck_wait_ms"):
-            with pytest.raises(ValueError):
-                MeshConfig(**{name: low - 1})
-        assert isinstance(getattr(defaults, name), int)
+def test_meshconfig_passthrough_bounds_are_the_apps():
+    """Every bound the schema puts on meshConfig is the field's own (its metadata, which its section
+    enforces), and every field's bound is in the schema."""
+    by_name = {leaf.name: leaf for leaf in leaves()}
+    for name, spec in _passthrough().items():
+        meta = by_name[name].field.metadata
+        assert spec.get("minimum") == meta.get("min") and spec.get("maximum") == meta.get("max"), name
+        section, field = name.split(".")
+        if "minimum" in spec and spec["type"] == "integer":
+            low = int(spec["minimum"])
+            others = {"default_max_new_tokens": 1} if field == "max_new_tokens_cap" else {}
+            DraftmeshConfig.from_dict({section: {field: low, **others}})  # the schema's lowest value is valid
+            with pytest.raises(ValueError, match=name):
+                DraftmeshConfig.from_dict({section: {field: low - 1, **others}})
 
 
 # --------------------------------------------------------------------------- values.yaml

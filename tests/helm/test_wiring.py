@@ -6,15 +6,13 @@ login shell finds the image's virtualenv."""
 from __future__ import annotations
 
 import base64
+import dataclasses
 import shutil
 import subprocess
 from urllib.parse import urlsplit
 
 import pytest
-
 from deploy.deploy_files import MESH_DOCKERFILE, WORKER_DOCKERFILE, Dockerfile, dispatch
-from draftmesh.config import FactCheckConfig, MeshConfig, config_from_args
-from draftmesh.router.auth import INVALID, KEYS_FILE_ENV, ApiKeyAuth
 from helm.chart import (
     NAMESPACE,
     RAY_COMPONENTS,
@@ -31,6 +29,9 @@ from helm.chart import (
     service_matches,
     workload_pods,
 )
+
+from draftmesh.config import DraftmeshConfig, FactCheckConfig, config_from_args
+from draftmesh.router.auth import INVALID, ApiKeyAuth
 
 OTEL_ENDPOINT = "OTEL_EXPORTER_OTLP_ENDPOINT"
 
@@ -68,7 +69,7 @@ def find_service(r: Rendered, host: str) -> dict:
 
 
 def test_redis_url_reaches_the_redis_pod(rendered):
-    url = MeshConfig(**rendered.mesh_args).redis_url
+    url = DraftmeshConfig.from_dict(rendered.mesh_args).serve.redis_url
     external = rendered.merged["redis"]["external"]["url"]
     envs = [env_of(c)["REDIS_URL"] for _, c in ray_containers(rendered)]
     assert envs and set(envs) == {url}, "REDIS_URL on every Ray container equals the app's redis_url"
@@ -95,13 +96,13 @@ def test_redis_url_reaches_the_redis_pod(rendered):
 
 def test_workers_agree_with_the_mesh(rendered, monkeypatch, clean_env):
     """The worker's FactCheckConfig (its image's entrypoint + the pod env, through the real CLI)
-    equals the one the mesh's producers derive from MeshConfig: same Redis, same streams."""
+    equals the one the mesh's producers derive from its config: same Redis, same streams."""
     from draftmesh.factcheck.worker import build_parser
 
     pod = worker_pod(rendered)
-    mesh = MeshConfig(**rendered.mesh_args)
+    mesh = DraftmeshConfig.from_dict(rendered.mesh_args)
     if not rendered.merged["factcheck"]["enabled"]:
-        assert pod is None and mesh.factcheck is False
+        assert pod is None and mesh.factcheck.enabled is False
         return
     container = pod.containers[0]
     assert "command" not in container and "args" not in container, "the image's entrypoint runs"
@@ -112,8 +113,10 @@ def test_workers_agree_with_the_mesh(rendered, monkeypatch, clean_env):
     assert command == "factcheck-worker"
     args = build_parser().parse_args(worker_argv)
     worker_cfg = config_from_args(args, FactCheckConfig)
-    assert worker_cfg == mesh.factcheck_config()
-    assert worker_cfg.redis_url == mesh.redis_url
+    # the mesh-only knobs (enabled, workers, wait_ms) are not the worker's: they keep its defaults
+    mesh_side = dataclasses.replace(mesh.factcheck_config(), enabled=True, workers=1, python=None, wait_ms=2000)
+    assert worker_cfg == mesh_side
+    assert worker_cfg.redis_url == mesh.serve.redis_url
     # Readiness is the file the entrypoint writes, on a volume that does not outlive the pod.
     for probe in ("startupProbe", "readinessProbe", "livenessProbe"):
         assert container[probe]["exec"]["command"] == ["test", "-f", args.ready_file]
@@ -159,7 +162,6 @@ def test_otlp_endpoint_only_when_tracing_is_on(rendered):
 
 def test_tracing_needs_a_collector():
     import helm_python as helm
-
     from helm.chart import chart
 
     with pytest.raises(helm.HelmError, match="tracing.enabled needs a collector"):
@@ -170,8 +172,8 @@ def test_tracing_needs_a_collector():
 
 
 def _keys_file_contents(rendered: Rendered, pod: Pod, container: dict) -> tuple[str, str]:
-    """(the path DRAFTMESH_API_KEYS_FILE names, the Secret name and key that lands there)."""
-    path = env_of(container)[KEYS_FILE_ENV]
+    """(the Secret name and key that lands at the path the app's serve.api_keys_file names)."""
+    path = DraftmeshConfig.from_dict(rendered.mesh_args).serve.api_keys_file
     (mount,) = [m for m in container["volumeMounts"] if path.startswith(m["mountPath"].rstrip("/") + "/")]
     assert mount.get("readOnly") is True
     volume = next(v for v in pod.spec["volumes"] if v["name"] == mount["name"])
@@ -186,8 +188,7 @@ def test_api_keys_come_only_from_the_secret(rendered, tmp_path):
     text = "\n".join(rendered.files.values())
     containers = ray_containers(rendered)
     if not auth["apiKeys"] and not auth["existingSecret"]:
-        for _, c in containers:
-            assert KEYS_FILE_ENV not in env_of(c)
+        assert DraftmeshConfig.from_dict(rendered.mesh_args).serve.api_keys_file is None
         assert not rendered.of_kind("Secret")
         assert "Auth is OFF" in rendered.notes
         return
@@ -206,7 +207,8 @@ def test_api_keys_come_only_from_the_secret(rendered, tmp_path):
     content = base64.b64decode(secret["data"][secret_key]).decode()
     keys_file = tmp_path / "keys"
     keys_file.write_text(content, encoding="utf-8")
-    router_auth = ApiKeyAuth.from_config(MeshConfig(**rendered.mesh_args), env={KEYS_FILE_ENV: str(keys_file)})
+    serve = DraftmeshConfig.from_dict(rendered.mesh_args).serve
+    router_auth = ApiKeyAuth.from_config(dataclasses.replace(serve, api_keys_file=str(keys_file)))
     assert len(router_auth) == len(auth["apiKeys"])
     for key in auth["apiKeys"]:
         assert router_auth.check([("authorization", f"Bearer {key}")]) is None
@@ -234,7 +236,7 @@ RAY_INTERNAL_PORTS = (6379, 8265, 10001, 8000, 8080, 52365, 10002)
 def test_network_policies_isolate_the_release(rendered):
     policies = rendered.of_kind("NetworkPolicy")
     pods = all_pods(rendered)
-    grpc_port = MeshConfig(**rendered.mesh_args).grpc_port
+    grpc_port = DraftmeshConfig.from_dict(rendered.mesh_args).serve.grpc_port
     for pod in pods:
         assert isolated(policies, pod), f"{pod.owner} accepts anything: no NetworkPolicy selects it"
     for pod in pods:
@@ -283,7 +285,7 @@ def test_the_policy_check_is_not_trivial():
 
 def test_the_grpc_service_reaches_the_serving_ray_pods(rendered):
     svc = rendered.one("Service", "grpc")
-    grpc_port = MeshConfig(**rendered.mesh_args).grpc_port
+    grpc_port = DraftmeshConfig.from_dict(rendered.mesh_args).serve.grpc_port
     backends = service_backends(rendered, svc)
     assert backends and {component(p) for p, _ in backends} <= set(RAY_COMPONENTS)
     assert {port for _, port in backends} == {grpc_port}

@@ -4,8 +4,8 @@ from __future__ import annotations
 
 import pytest
 
-from draftmesh.config import MeshConfig
-from draftmesh.router.auth import KEYS_FILE_ENV, ApiKeyAuth
+from draftmesh.config import ServeConfig, load_config
+from draftmesh.router.auth import ApiKeyAuth
 
 KEYS = ["sk-alpha-123", "sk-beta-4567890"]
 
@@ -86,14 +86,14 @@ def test_configured_keys_are_stripped():
 def test_from_config_and_key_file(tmp_path):
     f = tmp_path / "keys"
     f.write_text("# mounted secret\nsk-file-1\n\n  sk-file-2  \r\n")
-    a = ApiKeyAuth.from_config(MeshConfig(api_keys=["sk-cfg"]), env={KEYS_FILE_ENV: str(f)})
+    a = ApiKeyAuth.from_config(ServeConfig(api_keys=["sk-cfg"], api_keys_file=str(f)))
     assert len(a) == 3
     for key in ("sk-cfg", "sk-file-1", "sk-file-2"):
         assert a.check([("authorization", f"Bearer {key}")]) is None
     assert a.check([("authorization", "Bearer # mounted secret")]) is not None
 
-    assert not ApiKeyAuth.from_config(MeshConfig(), env={}).enabled
-    only_file = ApiKeyAuth.from_config(MeshConfig(), env={KEYS_FILE_ENV: str(f)})
+    assert not ApiKeyAuth.from_config(ServeConfig()).enabled
+    only_file = ApiKeyAuth.from_config(ServeConfig(api_keys_file=str(f)))
     assert only_file.enabled and len(only_file) == 2
 
 
@@ -101,16 +101,16 @@ def test_key_file_errors_fail_closed(tmp_path):
     empty = tmp_path / "empty"
     empty.write_text("\n# nothing\n")
     with pytest.raises(ValueError, match="holds no keys"):
-        ApiKeyAuth.from_config(MeshConfig(), env={KEYS_FILE_ENV: str(empty)})
+        ApiKeyAuth.from_config(ServeConfig(api_keys_file=str(empty)))
     with pytest.raises(ValueError, match="cannot read"):
-        ApiKeyAuth.from_config(MeshConfig(), env={KEYS_FILE_ENV: str(tmp_path / "missing")})
+        ApiKeyAuth.from_config(ServeConfig(api_keys_file=str(tmp_path / "missing")))
 
 
-def test_from_config_reads_process_env(tmp_path, monkeypatch):
+def test_the_key_file_comes_from_the_environment_through_the_config(tmp_path):
     f = tmp_path / "keys"
     f.write_text("sk-env\n")
-    monkeypatch.setenv(KEYS_FILE_ENV, str(f))
-    assert ApiKeyAuth.from_config(MeshConfig()).check([("authorization", "Bearer sk-env")]) is None
+    serve = load_config(env={"DRAFTMESH_API_KEYS_FILE": str(f)}).serve
+    assert ApiKeyAuth.from_config(serve).check([("authorization", "Bearer sk-env")]) is None
 
 
 def test_every_key_is_compared(auth, monkeypatch):

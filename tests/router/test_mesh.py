@@ -17,7 +17,7 @@ from pathlib import Path
 import grpc
 import pytest
 
-from draftmesh.config import MeshConfig
+from draftmesh.config import DraftmeshConfig
 from draftmesh.net import free_port
 from draftmesh.v1 import generation_pb2 as pb
 from draftmesh.v1 import generation_pb2_grpc as pb_grpc
@@ -63,23 +63,19 @@ def mesh(external_source, otlp):
 
     os.environ["PYTHONPATH"] = os.pathsep.join(filter(None, [str(TESTS_DIR), os.environ.get("PYTHONPATH")]))
     small = {"num_cpus": 0.1}
-    cfg = MeshConfig(
-        threads=2,
-        grpc_port=free_port(),
-        verifier_num_cpus=0.5,
-        max_in_flight=8,
-        api_keys=[API_KEY],
-        remote_sources={
+    cfg = DraftmeshConfig.from_dict({
+        "engine": {"threads": 2},
+        "serve": {"grpc_port": free_port(), "verifier_num_cpus": 0.5, "max_in_flight": 8, "api_keys": [API_KEY]},
+        "sources": {"remote": {
             "boom": {"factory": "mesh_sources:raising", "deployment": small},
             "stuck": {"factory": "mesh_sources:hanging", "deployment": small},
             "extern": {"address": external_source, "token_ids": True},
             "down": {"address": f"127.0.0.1:{free_port()}"},
-        },
+        }},
         # The workers (started by the launcher in their own environment when it exists) check
         # entities against an offline store built from the recorded Wikidata excerpts.
-        factcheck_options={"wikidata": "offline", "wikidata_dump": [str(WIKIDATA / "entity-Q42.json")],
-                           "block_ms": 200},
-    )
+        "factcheck": {"wikidata": "offline", "wikidata_dump": [str(WIKIDATA / "entity-Q42.json")], "block_ms": 200},
+    })
     # Tracing on for what the mesh starts (Ray's processes and the workers keep the environment
     # they started with), not for this test process.
     env = {**TRACING_ENV, "OTEL_EXPORTER_OTLP_ENDPOINT": otlp.endpoint}
@@ -113,11 +109,10 @@ AUTH = (("authorization", f"Bearer {API_KEY}"),)
 @pytest.fixture(scope="session")
 def engine(mesh):
     """The in-process engine with the mesh's in-process sources."""
-    from draftmesh.config import EngineConfig
     from draftmesh.verify.engine import decoder_from_config, load_target
 
-    cfg = EngineConfig(threads=2)
-    return decoder_from_config(load_target(cfg), cfg)
+    cfg = DraftmeshConfig().replace(engine={"threads": 2})
+    return decoder_from_config(load_target(cfg.engine), cfg)
 
 
 def chat(text: str, max_new_tokens: int = 40, **kw) -> pb.GenerateRequest:

@@ -6,13 +6,13 @@ import re
 
 import pytest
 
-from draftmesh.config import MeshConfig
+from draftmesh.config import LimitsConfig, load_config
 from draftmesh.io_struct import FactCheckOptions, SamplingParams, ServeRequest, SpeculationParams
-from draftmesh.router.validation import InvalidRequest, RequestLimits, parse_request
+from draftmesh.router.validation import InvalidRequest, parse_request
 from draftmesh.tree import MAX_TREE_NODES
 from draftmesh.v1 import generation_pb2 as pb
 
-LIMITS = RequestLimits(
+LIMITS = LimitsConfig(
     max_prompt_bytes=100, max_documents=2, max_document_bytes=50, max_stop_strings=2, default_max_new_tokens=64
 )
 SOURCES = ("history", "rules", "rag")
@@ -209,15 +209,28 @@ def test_messages_may_end_with_assistant_prefill():
     assert out.messages == (("user", "Say hi"), ("assistant", ""))
 
 
-def test_limits_from_config():
-    cfg = MeshConfig(default_max_new_tokens=300, max_prompt_bytes=1000, max_documents=0,
-                     max_document_bytes=10, max_stop_strings=3)
-    lim = RequestLimits.from_config(cfg)
-    assert (lim.max_prompt_bytes, lim.max_documents, lim.max_document_bytes, lim.max_stop_strings,
-            lim.default_max_new_tokens, lim.max_new_tokens_cap) == (1000, 0, 10, 3, 300, 8192)
-    assert RequestLimits.from_config(MeshConfig(default_max_new_tokens=10000)).max_new_tokens_cap == 10000
+def test_every_limit_comes_from_the_config():
+    """The limits section is the one source of the front door's bounds (none is a constant here)."""
+    cfg = load_config(env={}, overrides={"limits.max_id_chars": 4, "limits.max_stop_bytes": 3,
+                                         "limits.max_policy_params": 1, "limits.max_factcheck_wait_ms": 10,
+                                         "limits.max_new_tokens_cap": 100, "limits.default_max_new_tokens": 50})
+    lim = cfg.limits
+
+    def refused(req, field, rule):
+        with pytest.raises(InvalidRequest) as err:
+            parse_request(req, lim, sources=SOURCES, policies=POLICIES)
+        assert err.value.field == field and rule in err.value.rule
+
+    assert parse_request(base(), lim, sources=SOURCES, policies=POLICIES).max_new_tokens == 50
+    refused(base(session_id="abcde"), "session_id", "at most 4 characters")
+    refused(base(request_id="abcde"), "request_id", "at most 4 characters")
+    refused(base(stop=[b"abcd"]), "stop[0]", "exceeds the limit of 3")
+    refused(base(max_new_tokens=101), "max_new_tokens", "[1, 100]")
+    refused(base(speculation=spec(policy="typical", policy_params={"epsilon": "0.1", "delta": "0.2"})),
+            "speculation.policy_params", "at most 1 parameters")
+    refused(base(factcheck=pb.FactCheckOptions(wait_ms=11)), "factcheck.wait_ms", "must be <= 10")
     with pytest.raises(ValueError, match="default_max_new_tokens"):
-        RequestLimits(1, 1, 1, 1, default_max_new_tokens=9000)
+        LimitsConfig(default_max_new_tokens=9000)
 
 
 # ---------------------------------------------------------------------- fact-check

@@ -125,7 +125,7 @@ ray-head,ray-worker-gpu,ray-worker-cpu
 {{- default (include "draftmesh.childName" (list . "api-keys")) .Values.auth.existingSecret -}}
 {{- end -}}
 
-{{/* The file the router reads the keys from (DRAFTMESH_API_KEYS_FILE). */}}
+{{/* The file the router reads the keys from (serve.api_keys_file in the app's config). */}}
 {{- define "draftmesh.apiKeysFile" -}}
 {{- printf "%s/%s" (.Values.auth.mountPath | trimSuffix "/") .Values.auth.secretKey -}}
 {{- end -}}
@@ -226,15 +226,17 @@ template so that `helm install` fails with the message.
 {{- end -}}
 
 {{/*
-The MeshConfig the app is built with (serveConfigV2 applications[0].args): exactly the keys a
-`draftmesh serve --config` file would hold for the same settings.
+The DraftmeshConfig the app is built with (serveConfigV2 applications[0].args): exactly the
+sections and keys a `draftmesh serve --config` file would hold for the same settings.
 */}}
 {{- define "draftmesh.meshArgs" -}}
 {{- $v := .Values -}}
-{{- $args := dict
-  "model" $v.verifier.model
-  "device" $v.verifier.device
-  "dtype" $v.verifier.dtype
+{{- $engine := dict "model" $v.verifier.model "device" $v.verifier.device "dtype" $v.verifier.dtype -}}
+{{- $sources := dict "names" $v.sources.enabled -}}
+{{- if $v.sources.options -}}
+{{- $_ := set $sources "options" $v.sources.options -}}
+{{- end -}}
+{{- $serve := dict
   "grpc_port" $v.grpc.port
   "metrics_port" 8080
   "verifier_replicas" $v.verifier.replicas
@@ -243,14 +245,15 @@ The MeshConfig the app is built with (serveConfigV2 applications[0].args): exact
   "verifier_max_ongoing" $v.verifier.maxOngoingRequests
   "router_replicas" $v.router.replicas
   "max_in_flight" $v.router.maxInFlight
-  "sources" $v.sources.enabled
   "redis_url" (include "draftmesh.redisUrl" .)
   "log_level" $v.rayService.logLevel
-  "factcheck" $v.factcheck.enabled
-  "factcheck_workers" 0
 -}}
-{{- if $v.sources.options -}}
-{{- $_ := set $args "source_options" $v.sources.options -}}
+{{- if include "draftmesh.authEnabled" . -}}
+{{- $_ := set $serve "api_keys_file" (include "draftmesh.apiKeysFile" .) -}}
+{{- end -}}
+{{- $factcheck := dict "enabled" $v.factcheck.enabled "workers" 0 -}}
+{{- range $key, $value := $v.factcheck.options -}}
+{{- $_ := set $factcheck $key $value -}}
 {{- end -}}
 {{- $remote := dict -}}
 {{- range $name, $spec := $v.sources.deployments -}}
@@ -267,13 +270,12 @@ The MeshConfig the app is built with (serveConfigV2 applications[0].args): exact
 {{- $_ := set $remote $name $entry -}}
 {{- end -}}
 {{- if $remote -}}
-{{- $_ := set $args "remote_sources" $remote -}}
+{{- $_ := set $sources "remote" $remote -}}
 {{- end -}}
-{{- if $v.factcheck.options -}}
-{{- $_ := set $args "factcheck_options" $v.factcheck.options -}}
-{{- end -}}
-{{- range $key, $value := $v.meshConfig -}}
-{{- $_ := set $args $key $value -}}
+{{- $args := dict "engine" $engine "sources" $sources "serve" $serve "factcheck" $factcheck -}}
+{{- /* meshConfig: the remaining fields, by section; merged into (never replacing) a section */ -}}
+{{- range $section, $fields := $v.meshConfig -}}
+{{- $_ := set $args $section (merge (deepCopy $fields) (get $args $section | default dict)) -}}
 {{- end -}}
 {{- toYaml $args -}}
 {{- end -}}
@@ -317,10 +319,6 @@ The MeshConfig the app is built with (serveConfigV2 applications[0].args): exact
   value: {{ . | quote }}
 - name: OTEL_EXPORTER_OTLP_PROTOCOL
   value: {{ $.Values.tracing.otlpProtocol | quote }}
-{{- end }}
-{{- if include "draftmesh.authEnabled" . }}
-- name: DRAFTMESH_API_KEYS_FILE
-  value: {{ include "draftmesh.apiKeysFile" . | quote }}
 {{- end }}
 {{- with .Values.rayService.extraEnv }}
 {{ toYaml . }}
