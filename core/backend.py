@@ -22,6 +22,7 @@ from typing import Sequence
 import torch
 from transformers import DynamicCache
 
+from draftmesh.models import load_model
 from draftmesh.tree import TokenTree
 
 COST_CURVE_SIZES = (1, 2, 4, 8, 16, 32, 64)
@@ -67,8 +68,6 @@ class TorchTarget:
 
     @classmethod
     def load(cls, spec: str, *, device: str = "cpu", dtype: torch.dtype | None = None) -> "TorchTarget":
-        from draftmesh.models import load_model
-
         model, tokenizer = load_model(spec, device=device, dtype=dtype)
         return cls(model, tokenizer, name=spec)
 

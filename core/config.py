@@ -105,7 +105,8 @@ class EngineConfig:
         check_fields(self)
 
     def torch_dtype(self):
-        import torch  # lazy: the config is read where torch is not needed (the fact-check worker)
+        # lazy: the config is read where torch is not needed (the fact-check worker, `draftmesh health`)
+        import torch
 
         from draftmesh.models import default_dtype
 

@@ -51,6 +51,7 @@ def build_checker(config: FactCheckConfig, redis: Any = None) -> FactChecker:
     rules = load_rules(config.numeric_rules)
     entities = None
     if config.wikidata != "off":
+        # lazy: the entity checks (and their dump files or HTTP client) only when they are on
         from draftmesh.factcheck.entity_check import EntityChecker
         from draftmesh.factcheck.wikidata import OfflineEntityStore, WikidataClient
 

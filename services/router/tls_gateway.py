@@ -38,6 +38,8 @@ from typing import Any
 import grpc
 import grpc.aio
 
+from draftmesh.v1 import draft_source_pb2, generation_pb2
+
 log = logging.getLogger(__name__)
 
 UNARY_UNARY = "unary_unary"
@@ -64,8 +66,6 @@ class TlsConfigError(ValueError):
 
 
 def _default_file_descriptors() -> list[Any]:
-    from draftmesh.v1 import draft_source_pb2, generation_pb2
-
     descriptors = [generation_pb2.DESCRIPTOR, draft_source_pb2.DESCRIPTOR]
     # Ray Serve can enable server reflection on its proxy; its one method is bidi-streaming.
     for module in ("grpc_reflection.v1alpha.reflection_pb2", "grpc_reflection.v1.reflection_pb2"):
