@@ -14,9 +14,9 @@ import time
 
 import grpc
 
-from draftmesh.config import MeshConfig
-from draftmesh.net import free_port
 from draftmesh.bench.otlp_receiver import OtlpReceiver, ReceivedSpan
+from draftmesh.config import DraftmeshConfig
+from draftmesh.net import free_port
 from draftmesh.v1 import generation_pb2 as pb
 from draftmesh.v1 import generation_pb2_grpc as pb_grpc
 
@@ -58,7 +58,8 @@ def main() -> None:
 
     receiver = OtlpReceiver().start()
     os.environ.update(OTEL_EXPORTER_OTLP_ENDPOINT=receiver.endpoint, OTEL_BSP_SCHEDULE_DELAY="200")
-    mesh = start_mesh(MeshConfig(threads=2, grpc_port=free_port(), log_level="WARNING"))
+    cfg = DraftmeshConfig.from_dict({"engine": {"threads": 2}, "serve": {"grpc_port": free_port(), "log_level": "WARNING"}})
+    mesh = start_mesh(cfg)
     try:
         trace_id = os.urandom(16).hex()
         with grpc.insecure_channel(mesh.address) as channel:
