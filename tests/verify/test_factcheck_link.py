@@ -190,22 +190,26 @@ def test_a_lossy_policy_never_accepts_a_flagged_draft_leniently(smollm2, service
     from draftmesh.io_struct import GenerationRequest, SpeculationParams
     from draftmesh.prompts import encode_messages
     from draftmesh.verify.decoder import SpeculativeDecoder
+    from draftmesh.verify.tree_builder import TrieBuilder
 
     _, client = service
     tokenizer = smollm2.tokenizer
     text = "The Fed raised rates by 30 basis points in March."  # policy moves come in steps of 25
     script = tokenizer.encode(text, add_special_tokens=False)
     prompt = tuple(encode_messages(tokenizer, [{"role": "user", "content": "Tell me one fact."}]))
-    # typical with epsilon 0 takes any token the target gives p > 0: the whole draft.
+    # typical with epsilon 0 takes any token the target gives p > 0: the whole draft. A trie
+    # builder with room for all of it, so the script is one step's tree: the cost-aware one
+    # sizes trees from measured timings and could end a step before the final "." (the
+    # target's own next token there is " 2022").
     req = GenerationRequest(prompt, max_new_tokens=len(script) + 4, speculation=SpeculationParams(policy="typical", policy_params={"epsilon": 0.0}))
-    unguarded = SpeculativeDecoder(smollm2, [ScriptSource(script)]).generate(req)
+    unguarded = SpeculativeDecoder(smollm2, [ScriptSource(script)], builder=TrieBuilder(max_nodes=64)).generate(req)
     assert unguarded.text.startswith(text) and unguarded.lenient_tokens > 0
 
     link = FactCheckLink(client, tokenizer)
     tree = chain(tokenizer, text)
     link(ctx(request_id="earlier"), tree)  # an earlier request drafted the same span
     wait_for(client, annotation_id_for_text("draft", "".join(tokenizer.decode([t]) for t in tree.tokens)))
-    guarded = SpeculativeDecoder(smollm2, [ScriptSource(script)], flag_provider=link).generate(
+    guarded = SpeculativeDecoder(smollm2, [ScriptSource(script)], builder=TrieBuilder(max_nodes=64), flag_provider=link).generate(
         dataclasses.replace(req, request_id="guarded")
     )
 
