@@ -13,6 +13,7 @@ import grpc
 import redis
 
 from draftmesh.bench.items import ItemRun, PreparedItem, SourceStats
+from draftmesh.bench.memory import processes_memory
 from draftmesh.bench.methods import MESH_DRAFTMESH, Method
 from draftmesh.client import MeshClient, api_key_from_env, build_request
 from draftmesh.config import DraftmeshConfig
@@ -222,29 +223,12 @@ def mesh_process_memory(root_pid: int | None = None) -> dict[str, Any] | None:
         procs = root.children(recursive=True)
     except psutil.Error:
         return None
-    rss = pss = 0
-    count, pss_ok = 0, True
-    names: dict[str, int] = {}
-    for proc in procs:
-        try:
-            rss += proc.memory_info().rss
-            name = proc.name()
-        except psutil.Error:
-            continue
-        count += 1
-        names[name] = names.get(name, 0) + 1
-        try:
-            pss += proc.memory_full_info().pss
-        except (psutil.Error, AttributeError):
-            pss_ok = False
+    counted = processes_memory(procs)
     own = None
     with contextlib.suppress(psutil.Error):
         own = root.memory_info().rss
     return {
-        "rss_mb": round(rss / 2**20, 1),
-        "pss_mb": round(pss / 2**20, 1) if pss_ok and count else None,
-        "processes": count,
-        "process_names": dict(sorted(names.items())),
+        **counted,
         "counted": "every descendant process of the bench process (the mesh it started: redis-server, "
                    "Ray's gcs_server, raylet, agents and workers incl. Serve replicas), measured right after the run",
         "bench_process_rss_mb": round(own / 2**20, 1) if own is not None else None,
