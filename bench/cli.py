@@ -28,7 +28,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         "--methods",
         default=None,
         metavar="LIST",
-        help="comma-separated: plain, hf, hf-pld, hf-assist, draftmesh, draftmesh:<source> (one source alone), "
+        help="comma-separated: plain, hf, hf-pld, hf-assist, vllm, vllm-ngram (vLLM in its own environment: plain greedy, or with its n-gram speculative decoding), draftmesh, draftmesh:<source> (one source alone), "
         "draftmesh:* (each default source alone), draftmesh+<policy> or draftmesh:<source>+<policy> "
         "(a lossy acceptance policy: typical, nkl, block, semantic), mesh:plain, mesh:draftmesh (through the "
         f"mesh, with --target mesh); plain is always run (default: {DEFAULT_METHODS}; with --target mesh: "
@@ -49,6 +49,11 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     )
     parser.add_argument("--tls-ca", metavar="FILE", default=None, help="with --addr: PEM CA/certificate to trust; enables TLS")
     parser.add_argument("--assistant", metavar="SPEC", default=None, help="assistant model for hf-assist")
+    parser.add_argument(
+        "--vllm-python", metavar="PATH", default=None,
+        help="for the vllm methods: the Python of an environment with vLLM (default: $DRAFTMESH_VLLM_PYTHON, "
+        "else .venv-vllm/bin/python, which `make vllm-env` creates)",
+    )
     parser.add_argument(
         "--repeats", type=positive_int, default=3, metavar="N",
         help="passes over the workload; the median time per item and method is kept (default: %(default)s)",

@@ -52,6 +52,7 @@ def item_record(r: ItemResult) -> dict[str, Any]:
         "first_difference": r.first_difference,
         "mismatch_top2_gap": rounded(r.mismatch_top2_gap, 6),
         "lossless": r.lossless,
+        "other_engine": r.other_engine,
         "same_as_plain": r.same_as_plain,
         "norm_edit_distance": rounded(r.edit_distance),
         "lenient_tokens": rep.lenient_tokens,
@@ -91,8 +92,18 @@ def report_to_json(report: BenchReport) -> dict[str, Any]:
             "mismatch_top2_gap": rounded(r.mismatch_top2_gap, 6),
         }
         for r in report.results
-        if r.identical_to_plain is False
+        if r.identical_to_plain is False and not r.other_engine
     ]
+    others = [r for r in report.results if r.other_engine]
+    if others:
+        out["other_engines"] = {
+            "agreement": [
+                {"id": r.item_id, "method": r.method, "identical_to_plain": r.identical_to_plain,
+                 "first_difference": r.first_difference, "repeat": r.mismatch_repeat,
+                 "plain_top2_gap": rounded(r.mismatch_top2_gap, 6)}
+                for r in others
+            ],
+        }
     if any(m in MESH_METHODS for m in out["methods"]):
         out["mesh"] = {**(report.mesh or {}), "pairs": mesh_summary(report.results)}
     return out
@@ -119,7 +130,9 @@ def format_report(report: BenchReport) -> str:
                 ident = "-"
             else:
                 ident = f"{s['identical']}/{s['identical'] + s['mismatches']}"
-                if s["mismatches"]:
+                if s["other_engine"]:
+                    ident += " agree"
+                elif s["mismatches"]:
                     ident += " !!"
             rows.append([
                 kind if m == methods[0] else "",
@@ -182,7 +195,10 @@ def format_report(report: BenchReport) -> str:
                       "in-process receiver; draftmesh: tracing off (no collector configured), where the spans of "
                       f"one step (3 sources) cost {noop} us with the no-op tracer"]
 
-    bad = [r for r in report.results if r.identical_to_plain is False]
+    others = [r for r in report.results if r.other_engine]
+    if others:
+        lines += ["", *format_other_engines(report, others)]
+    bad = [r for r in report.results if r.identical_to_plain is False and not r.other_engine]
     if bad:
         lines += ["", f"!!! {len(bad)} OUTPUT MISMATCH(ES) WITH PLAIN (lossless methods must match token for token):"]
         for r in bad:
@@ -195,6 +211,33 @@ def format_report(report: BenchReport) -> str:
         which = ", ".join(f"{r.item_id}/{r.method}" for r in unstable)
         lines += ["", f"note: output changed between repeats for: {which}"]
     return "\n".join(lines)
+
+
+def format_other_engines(report: BenchReport, others: list[ItemResult]) -> list[str]:
+    """Other engines (vLLM) against our plain greedy: agreement per method, where each differing
+    item first differs and our top-2 logit gap there; then every engine's cold start and memory."""
+    lines = []
+    for m in dict.fromkeys(r.method for r in others):
+        rows = [r for r in others if r.method == m]
+        agree = sum(1 for r in rows if r.identical_to_plain)
+        lines.append(f"{m} vs plain greedy: {agree}/{len(rows)} items token for token identical "
+                     "(another implementation: near-ties may break either way)")
+        for r in rows:
+            if r.identical_to_plain is False:
+                gap = f"{r.mismatch_top2_gap:.3g}" if r.mismatch_top2_gap is not None else "?"
+                lines.append(f"  {r.item_id}: first difference at token {r.first_difference}, plain top-2 logit gap {gap}")
+    startup = report.meta.get("startup") or {}
+    if startup:
+        lines += ["", "cold start and memory (a fresh process: spawn to engine ready, to the end of a first "
+                      f"{startup.get('first_request_tokens', '?')}-token request; memory then, the process and its children)"]
+        rows = []
+        for name, s in (startup.get("engines") or {}).items():
+            rows.append([name, s.get("engine", ""), fmt(s.get("ready_s"), ".1f"), fmt(s.get("first_result_s"), ".1f"),
+                         fmt(None if s.get("rss_mb") is None else s["rss_mb"] / 1024, ".2f"),
+                         fmt(None if s.get("pss_mb") is None else s["pss_mb"] / 1024, ".2f"), str(s.get("processes", "-"))])
+        lines += table(["method", "engine", "ready s", "first request s", "RSS GiB", "PSS GiB", "processes"], rows,
+                       [False, False, True, True, True, True, True])
+    return lines
 
 
 def format_mesh(report: BenchReport) -> list[str]:

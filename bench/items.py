@@ -88,6 +88,10 @@ class ItemResult:
     kind: str
     method: str
     lossless: bool = True
+    other_engine: bool = False
+    """Another implementation of the model (vLLM): its agreement with plain is reported
+    (``identical_to_plain``, first difference, top-2 gap) but a difference is not a lossless
+    violation: other kernels may break a near-tie the other way."""
     runs: list[ItemRun] = field(default_factory=list)
     identical_to_plain: bool | None = None
     first_difference: int | None = None
@@ -125,7 +129,8 @@ class ItemResult:
 
 
 class MethodRunner(Protocol):
-    """Runs one method. ``reset`` starts from fresh state (called before each repeat)."""
+    """Runs one method. ``reset`` starts from fresh state (called before each repeat). A runner
+    may set ``other_engine = True`` (see ``ItemResult.other_engine``)."""
 
     name: str
     lossless: bool

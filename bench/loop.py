@@ -49,7 +49,8 @@ def execute(
     if repeats < 1:
         raise ValueError("repeats must be >= 1")
     results = {
-        (it.id, r.name): ItemResult(it.id, it.kind, r.name, lossless=r.lossless) for it in items for r in runners
+        (it.id, r.name): ItemResult(it.id, it.kind, r.name, lossless=r.lossless,
+                                   other_engine=getattr(r, "other_engine", False)) for it in items for r in runners
     }
     bar = tqdm(
         total=repeats * len(items) * len(runners), file=sys.stderr, desc="bench", unit="gen",

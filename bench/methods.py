@@ -1,4 +1,4 @@
-"""The methods `draftmesh bench` compares, by name: our engine, transformers' `generate`, the mesh.
+"""The methods `draftmesh bench` compares, by name: our engine, transformers' `generate`, vLLM, the mesh.
 
 ``parse_methods`` turns ``plain,hf,...,draftmesh:<source>,draftmesh+<policy>,mesh:...`` into
 ``Method`` values, plain first (the reference for speed and for the identical-output check).
@@ -9,8 +9,9 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Literal, Sequence
 
-MethodFamily = Literal["engine", "hf", "mesh"]
-"""engine: our decoder in this process; hf: transformers ``generate``; mesh: the served mesh over gRPC."""
+MethodFamily = Literal["engine", "hf", "vllm", "mesh"]
+"""engine: our decoder in this process; hf: transformers ``generate``; vllm: vLLM's offline engine in a
+child process of its own environment; mesh: the served mesh over gRPC."""
 HFMode = Literal["greedy", "pld", "assist"]
 
 
@@ -23,6 +24,14 @@ HF_PLD = "hf-pld"
 HF_ASSIST = "hf-assist"
 
 DRAFTMESH = "draftmesh"
+
+VLLM = "vllm"
+"""vLLM, plain greedy; needs ``make vllm-env``."""
+
+VLLM_NGRAM = "vllm-ngram"
+"""vLLM with its n-gram (prompt lookup) speculative decoding, greedy."""
+
+VLLM_METHODS = (VLLM, VLLM_NGRAM)
 
 DRAFTMESH_TRACED = "draftmesh-traced"
 """draftmesh with OpenTelemetry tracing on (spans exported over OTLP to an in-process receiver)."""
@@ -134,9 +143,11 @@ def parse_methods(
             methods.append(Method(HF_PLD, "hf", hf_mode="pld"))
         elif name == HF_ASSIST:
             methods.append(Method(HF_ASSIST, "hf", hf_mode="assist"))
+        elif name in VLLM_METHODS:
+            methods.append(Method(name, "vllm"))
         else:
             valid = ", ".join(
-                [*BASE_METHODS, DRAFTMESH_TRACED, ALL_DEFAULT_ABLATIONS, *MESH_METHODS] + [ENGINE_PREFIX + s for s in available]
+                [*BASE_METHODS, *VLLM_METHODS, DRAFTMESH_TRACED, ALL_DEFAULT_ABLATIONS, *MESH_METHODS] + [ENGINE_PREFIX + s for s in available]
             )
             raise ValueError(f"unknown method {name!r}; valid methods: {valid}")
     return methods

@@ -28,13 +28,22 @@ from draftmesh.bench.engine_report import (
     write_plot,
 )
 from draftmesh.bench.fidelity import measure_fidelity, top2_gap
-from draftmesh.bench.items import prepare_items
-from draftmesh.bench.loop import execute
+from draftmesh.bench.items import PreparedItem, prepare_items
+from draftmesh.bench.loop import WARMUP_TOKENS, execute
 from draftmesh.bench.mesh import MeshError, open_mesh
-from draftmesh.bench.methods import HF_ASSIST, PLAIN, default_methods, parse_methods
+from draftmesh.bench.methods import DRAFTMESH, HF_ASSIST, PLAIN, default_methods, parse_methods
 from draftmesh.bench.report import command_line, machine_info, write_json
 from draftmesh.bench.runners import load_target_spec, make_runner
 from draftmesh.bench.tracing import noop_step_cost_us
+from draftmesh.bench.vllm_runner import (
+    VLLMError,
+    VLLMRunner,
+    find_vllm_python,
+    local_model_folder,
+    max_model_len,
+    our_engine_startup,
+    start_vllm,
+)
 from draftmesh.bench.workload import WorkloadError, load_workload
 from draftmesh.config import config_from_args
 
@@ -60,6 +69,13 @@ def run(args: argparse.Namespace) -> int:
     except (WorkloadError, ValueError) as exc:
         return _error(str(exc))
     mesh_methods = [m for m in methods if m.family == "mesh"]
+    vllm_methods = [m for m in methods if m.family == "vllm"]
+    vllm_python = None
+    if vllm_methods:
+        try:
+            vllm_python = find_vllm_python(opt("vllm_python"))
+        except VLLMError as exc:
+            return _error(str(exc))
     tls_ca = None
     if opt("tls_ca"):
         try:
@@ -100,8 +116,18 @@ def run(args: argparse.Namespace) -> int:
                     make_runner(m, target, assistant=assistant, builder_config=cfg.builder,
                                 source_options=cfg.sources.options)
                     for m in methods
-                    if m.family != "mesh"
+                    if m.family not in ("mesh", "vllm")
                 ]
+                model_spec = cfg.engine.model if injected is None else getattr(target, "name", "")
+                dtype = str(target.dtype).replace("torch.", "")
+                for m in vllm_methods:
+                    try:
+                        worker = start_vllm(vllm_python, local_model_folder(model_spec), dtype=dtype, threads=threads,
+                                            max_len=max_model_len(prepared, target.max_context), method=m.name)
+                    except (VLLMError, ValueError, FileNotFoundError) as exc:
+                        return _error(str(exc))
+                    cleanup.callback(worker.close)
+                    runners.append(VLLMRunner(m.name, worker, target.eos_token_ids, target.tokenizer))
                 if mesh_methods:
                     try:
                         mesh_runners, mesh_info, measure_memory = open_mesh(
@@ -115,7 +141,7 @@ def run(args: argparse.Namespace) -> int:
                     results = execute(
                         runners, prepared, repeats, progress=not opt("no_progress"), tokenizer=target.tokenizer
                     )
-                except MeshError as exc:
+                except (MeshError, VLLMError) as exc:
                     return _error(str(exc))
                 if mesh_info is not None and mesh_info.get("started_by_bench"):
                     mesh_info["memory"] = measure_memory()
@@ -123,6 +149,9 @@ def run(args: argparse.Namespace) -> int:
             stopped = " (the mesh it started is stopped)" if mesh_methods and not opt("addr") else ""
             print(f"draftmesh bench: interrupted{stopped}", file=sys.stderr)
             return EXIT_INTERRUPTED
+        startup = None
+        if vllm_methods:
+            startup = cold_starts(runners, methods, model_spec, dtype, threads, prepared)
         measure_fidelity(results)
         by_id = {p.id: p for p in prepared}
         plain = {r.item_id: r for r in results if r.method == PLAIN}
@@ -149,6 +178,8 @@ def run(args: argparse.Namespace) -> int:
             "cost_curve": {str(k): round(v, 4) for k, v in cost_curve.items()},
             "step_ms": round(1e3 * target.step_seconds, 4) if cost_curve and target.step_seconds else None,
         }
+        if startup is not None:
+            meta["startup"] = startup
         name = cfg.engine.model if injected is None else getattr(target, "name", "model")
         meta["target"] = target_kind
         traced = next((r.tracing for r in runners if getattr(r, "tracing", None) is not None), None)
@@ -163,6 +194,28 @@ def run(args: argparse.Namespace) -> int:
             Path(opt("plot")).parent.mkdir(parents=True, exist_ok=True)
             write_plot(report, opt("plot"))
             print(f"wrote {opt('plot')}")
-        return EXIT_MISMATCH if any(r.identical_to_plain is False for r in results) else EXIT_OK
+        return EXIT_MISMATCH if any(r.identical_to_plain is False and not r.other_engine for r in results) else EXIT_OK
     finally:
         torch.set_num_threads(old_threads)
+
+
+def cold_starts(runners, methods, model_spec: str, dtype: str, threads: int, prepared) -> dict[str, Any]:
+    """Each engine's cold start and memory, measured alike: the vLLM workers' own (spawned for the
+    run, first request = the warm-up), and ours from a fresh ``engine_worker`` process given the
+    same first request, for plain and (if it ran) draftmesh with its default sources."""
+    first = prepared[0]
+    warmup = PreparedItem(first.item, first.prompt_ids, min(WARMUP_TOKENS, first.max_new_tokens))
+    engines: dict[str, Any] = {}
+    names = {m.name for m in methods}
+    for name, sources in ((PLAIN, "plain"), (DRAFTMESH, None)):
+        if name not in names:
+            continue
+        try:
+            engines[name] = our_engine_startup(model_spec, dtype=dtype, threads=threads, sources=sources,
+                                               item=warmup, what=f"draftmesh ({'plain' if sources else 'default sources'})")
+        except Exception as exc:  # noqa: BLE001 - a diagnostic: the run's results stand without it
+            engines[name] = {"engine": "draftmesh", "error": str(exc)}
+    for r in runners:
+        if isinstance(r, VLLMRunner) and r.startup is not None:
+            engines[r.name] = r.startup
+    return {"first_request_tokens": warmup.max_new_tokens, "engines": engines}

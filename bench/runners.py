@@ -233,6 +233,8 @@ def make_runner(
     """The runner for a method on a local target (mesh methods: ``make_mesh_runners``)."""
     if method.family == "mesh":
         raise ValueError(f"{method.name} runs through the mesh: use make_mesh_runners")
+    if method.family == "vllm":
+        raise ValueError(f"{method.name} runs in vLLM's own environment: use vllm_runner.start_vllm")
     if method.family == "engine":
         return EngineRunner(
             method.name, target, method.sources, source_options=source_options, builder_config=builder_config, policy=method.policy,

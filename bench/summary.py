@@ -77,6 +77,7 @@ def summarize_group(results: Sequence[ItemResult], method: str, kind: str) -> di
         "lenient_tokens": sum(r.representative.lenient_tokens or 0 for r in group) if group else 0,
         "first_token_ms": rounded(median_ms([first_token_s(r) for r in group])),
         "lossless": all(r.lossless for r in group),
+        "other_engine": any(r.other_engine for r in group),
         "acceptance_by_source": {
             name: {
                 "proposals": st.proposals,

@@ -3,14 +3,14 @@ end-to-end run on a tiny random-weight model (no real model, nothing downloaded)
 
 from __future__ import annotations
 
-import argparse
 import contextlib
 import json
 import math
 
 import pytest
+from bench_args import parse, workload_file
 
-from draftmesh.bench.cli import add_arguments, check_target
+from draftmesh.bench.cli import check_target
 from draftmesh.bench.engine_report import BenchReport, format_report, report_to_json, write_plot
 from draftmesh.bench.fidelity import (
     check_identical,
@@ -38,31 +38,6 @@ def tiny_llama():
     from tiny_models import tiny_target
 
     return tiny_target("llama")
-
-
-def workload_file(tmp_path, n: int = 4, max_new_tokens: int = 10):
-    rows = []
-    for i in range(n):
-        words = " ".join(f"w{2 + (i + j) % 8}" for j in range(6))
-        rows.append(
-            {
-                "id": f"item-{i}",
-                "kind": "grounded" if i % 2 == 0 else "open",
-                "prompt": f"{words} {words}",
-                "max_new_tokens": max_new_tokens,
-                **({"session": "s"} if i < 2 else {}),
-                **({"corpus": [words]} if i == 3 else {}),
-            }
-        )
-    path = tmp_path / "w.jsonl"
-    path.write_text("\n".join(json.dumps(r) for r in rows) + "\n")
-    return path
-
-
-def parse(argv):
-    parser = argparse.ArgumentParser(prog="draftmesh bench")
-    add_arguments(parser)
-    return parser.parse_args(argv)
 
 
 def fake_run(item_id, method, tokens, seconds, kind="k", steps=None):

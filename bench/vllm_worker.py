@@ -1,0 +1,101 @@
+"""The vLLM side of the bench's ``vllm`` method: a script run by path with the Python of vLLM's own
+environment (``make vllm-env`` -> ``.venv-vllm``), never imported by draftmesh (whose environment
+has no vLLM, and cannot: vLLM pins transformers < 5.20).
+
+It loads the model once with vLLM's offline engine (``vllm.LLM``), then answers requests, one JSON
+object per line: token ids in, token ids and the seconds ``LLM.generate`` took out. Token ids
+both ways, so both engines see exactly the same prompt and are compared token for token; the
+offline engine rather than ``vllm serve``, so the time is the engine's, with no HTTP, JSON or
+tokenizer round trip that our in-process methods do not pay either.
+
+Protocol (``draftmesh.bench.vllm`` is the other end). Replies go to the file descriptor that was
+stdout when the script started; everything vLLM prints is sent to stderr instead.
+
+    -> {"event": "ready", "load_s": 12.3, "vllm": "0.32.0", "pid": 123}        once, after loading
+    <- {"op": "generate", "id": "x", "prompt_ids": [...], "max_new_tokens": 64, "stop_token_ids": [2]}
+    -> {"event": "result", "id": "x", "token_ids": [...], "seconds": 1.9, "finish_reason": "stop"}
+    -> {"event": "error", "id": "x", "message": "..."}                          a request failed
+    <- {"op": "exit"}  (or end of input)                                        the script exits
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+import time
+
+
+def _replies():
+    """The protocol's channel (the original stdout) and stdout pointed at stderr."""
+    out = os.fdopen(os.dup(1), "w", buffering=1)
+    os.dup2(2, 1)
+    sys.stdout = sys.stderr
+    return out
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--model", required=True, help="a local model folder (safetensors)")
+    parser.add_argument("--dtype", default="float32")
+    parser.add_argument("--max-model-len", type=int, required=True)
+    parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--speculative-config", default=None, metavar="JSON",
+                        help="vLLM's speculative_config, e.g. n-gram prompt lookup (default: none, plain decoding)")
+    args = parser.parse_args(argv)
+    replies = _replies()
+
+    def send(obj) -> None:
+        replies.write(json.dumps(obj) + "\n")
+        replies.flush()
+
+    t0 = time.perf_counter()
+    import vllm
+    from vllm import LLM, SamplingParams
+    from vllm.inputs import TokensPrompt
+
+    llm = LLM(
+        model=args.model,
+        dtype=args.dtype,
+        max_model_len=args.max_model_len,
+        seed=args.seed,
+        # The checkpoint's generation defaults (repetition penalty, ...) would change greedy output;
+        # the bench's hf runner hides them from transformers the same way.
+        generation_config="vllm",
+        enable_prefix_caching=False,
+        speculative_config=json.loads(args.speculative_config) if args.speculative_config else None,
+    )
+    send({"event": "ready", "load_s": time.perf_counter() - t0, "vllm": vllm.__version__, "pid": os.getpid()})
+
+    for line in sys.stdin:
+        if not line.strip():
+            continue
+        msg = json.loads(line)
+        if msg.get("op") == "exit":
+            break
+        rid = msg.get("id")
+        try:
+            params = SamplingParams(
+                temperature=0.0,
+                max_tokens=int(msg["max_new_tokens"]),
+                stop_token_ids=[int(t) for t in msg.get("stop_token_ids", [])],
+                ignore_eos=False,
+                detokenize=False,
+            )
+            prompt = TokensPrompt(prompt_token_ids=[int(t) for t in msg["prompt_ids"]])
+            start = time.perf_counter()
+            (out,) = llm.generate([prompt], params, use_tqdm=False)
+            seconds = time.perf_counter() - start
+            completion = out.outputs[0]
+            send({
+                "event": "result", "id": rid, "token_ids": list(completion.token_ids), "seconds": seconds,
+                "finish_reason": completion.finish_reason,
+            })
+        except Exception as exc:  # noqa: BLE001 - reported to the bench, which fails the method
+            send({"event": "error", "id": rid, "message": f"{type(exc).__name__}: {exc}"})
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
