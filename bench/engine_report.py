@@ -228,7 +228,7 @@ def format_other_engines(report: BenchReport, others: list[ItemResult]) -> list[
                 lines.append(f"  {r.item_id}: first difference at token {r.first_difference}, plain top-2 logit gap {gap}")
     startup = report.meta.get("startup") or {}
     if startup:
-        lines += ["", "cold start and memory (a fresh process: spawn to engine ready, to the end of a first "
+        lines += ["", "cold start and memory (a fresh process: spawn to engine ready, plus a first "
                       f"{startup.get('first_request_tokens', '?')}-token request; memory then, the process and its children)"]
         rows = []
         for name, s in (startup.get("engines") or {}).items():

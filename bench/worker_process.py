@@ -35,7 +35,9 @@ class WorkerProcess:
     """One child engine process (``command``), started at construction.
 
     ``ready_s``: seconds from spawn to its ready line (the engine loaded);
-    ``first_result_s``: from spawn to the end of its first answered request;
+    ``first_result_s``: ``ready_s`` plus the time its first request took (what a user who sends
+    a request as soon as the engine is up waits for; idle time between the two, e.g. while the
+    bench starts another worker, is not counted);
     ``ready``: the ready line's fields (load time in the child, versions, pid).
     """
 
@@ -126,6 +128,7 @@ class WorkerProcess:
         """One greedy generation: the result line (``token_ids``, ``seconds`` in the child, ...)."""
         msg = {"op": "generate", "id": request_id, "prompt_ids": list(prompt_ids),
                "max_new_tokens": int(max_new_tokens), "stop_token_ids": list(stop_token_ids)}
+        sent = time.perf_counter()
         try:
             assert self._proc.stdin is not None
             self._proc.stdin.write(json.dumps(msg) + "\n")
@@ -136,7 +139,7 @@ class WorkerProcess:
         if result.get("id") != request_id:
             raise self._fail(f"answered {result.get('id')!r} to request {request_id!r}")
         if self.first_result_s is None:
-            self.first_result_s = time.perf_counter() - self._t0
+            self.first_result_s = self.ready_s + (time.perf_counter() - sent)
         return result
 
     def memory(self) -> dict[str, Any] | None:
@@ -146,6 +149,7 @@ class WorkerProcess:
     def close(self, timeout_s: float = 20.0) -> None:
         """Ask the worker to exit, kill its process group if it does not within ``timeout_s``,
         and kill what is left of the group either way (vLLM's engine core is a child)."""
+        descendants = self._descendants()
         if self._proc.poll() is None and not self._broken:
             with contextlib.suppress(OSError, ValueError):
                 assert self._proc.stdin is not None
@@ -158,12 +162,26 @@ class WorkerProcess:
         with contextlib.suppress(ProcessLookupError, PermissionError):
             os.killpg(self._proc.pid, signal.SIGKILL)
         self._proc.wait()
+        if descendants:  # gone before we return, not just signalled (a worker's memory is large)
+            import psutil  # lazy: only a worker that started children needs it
+
+            psutil.wait_procs(descendants, timeout=10)
         with contextlib.suppress(OSError, ValueError):
             if self._proc.stdin is not None:
                 self._proc.stdin.close()
         self._log.close()
         with contextlib.suppress(OSError):
             os.unlink(self._log.name)
+
+    def _descendants(self) -> list:
+        try:
+            import psutil  # lazy: optional, as for memory()
+        except ImportError:
+            return []
+        try:
+            return psutil.Process(self._proc.pid).children(recursive=True)
+        except psutil.Error:
+            return []
 
     def __enter__(self) -> "WorkerProcess":
         return self
