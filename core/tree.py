@@ -53,7 +53,10 @@ class TokenTree:
     draft_probs: list[float | None] = field(default_factory=list)
     source_scores: list[dict[str, float]] | None = field(default=None, repr=False, compare=False)
     """Optional per-node confidence of each proposing source, set by a builder for its own learning."""
-    _children_cache: dict[int, list[int]] | None = field(default=None, repr=False, compare=False)
+    _children_cache: dict[int, list[int]] = field(default_factory=dict, init=False, repr=False, compare=False)
+    """Children of each node, for the nodes ``[0, _indexed)``: extended, never rebuilt, as nodes
+    are appended (building a trie stays linear in its size, whatever a source sends)."""
+    _indexed: int = field(default=0, init=False, repr=False, compare=False)
 
     def __len__(self) -> int:
         return len(self.tokens)
@@ -88,7 +91,6 @@ class TokenTree:
         self.sources.append((source,))
         self.qdraws.append(() if qdraw is None else (qdraw,))
         self.draft_probs.append(draft_prob)
-        self._children_cache = None
         return len(self.tokens) - 1
 
     @classmethod
@@ -115,12 +117,14 @@ class TokenTree:
     # ------------------------------------------------------------------ queries
 
     def children(self, node: int) -> list[int]:
-        if self._children_cache is None:
-            cache: dict[int, list[int]] = {}
-            for i, p in enumerate(self.parents):
-                cache.setdefault(p, []).append(i)
-            self._children_cache = cache
-        return self._children_cache.get(node, [])
+        parents, cache = self.parents, self._children_cache
+        if self._indexed > len(parents):  # the lists were replaced by shorter ones: start over
+            cache.clear()
+            self._indexed = 0
+        for i in range(self._indexed, len(parents)):
+            cache.setdefault(parents[i], []).append(i)
+        self._indexed = len(parents)
+        return cache.get(node, [])
 
     def path_to(self, node: int) -> list[int]:
         """Node indices from the root's child down to ``node``."""

@@ -89,6 +89,37 @@ def sliced(proposal: Proposal, start: int = 0, stop: int | None = None) -> Propo
     )
 
 
+TEXT_CHARS_PER_NODE = 32
+"""Characters of a text proposal kept per tree node it could fill: no target token is longer in
+practice, and text beyond what the tree can hold would only cost alignment time."""
+
+MAX_PROPOSALS_PER_SOURCE = 64
+"""Proposals of one source a step looks at (a source's best ones first, as it orders them)."""
+
+
+def unit(x: float) -> float:
+    """``x`` clamped to [0, 1]; NaN is 0 (a source's scores are hints, never trusted as given)."""
+    return min(1.0, max(0.0, x)) if x == x else 0.0
+
+
+def bounded(proposal: Proposal, max_nodes: int) -> Proposal:
+    """The proposal cut to what a tree of ``max_nodes`` nodes can use (its first ``max_nodes``
+    tokens, or ``TEXT_CHARS_PER_NODE`` characters a node of text), its confidence and token
+    probabilities in [0, 1]: whatever a source sends, a step's work stays bounded by the tree."""
+    max_nodes = max(0, max_nodes)
+    out = proposal
+    if out.token_ids is not None and len(out.token_ids) > max_nodes:
+        out = sliced(out, 0, max_nodes)
+    if out.text is not None and len(out.text) > max_nodes * TEXT_CHARS_PER_NODE:
+        out = dataclasses.replace(out, text=out.text[: max_nodes * TEXT_CHARS_PER_NODE], text_complete=False)
+    probs = out.token_probs
+    if probs is not None and not all(0.0 <= p <= 1.0 for p in probs):
+        out = dataclasses.replace(out, token_probs=tuple(unit(float(p)) for p in probs))
+    if not 0.0 <= out.confidence <= 1.0:
+        out = dataclasses.replace(out, confidence=unit(out.confidence))
+    return out
+
+
 def advance(proposal: Proposal, committed: Sequence[int]) -> Proposal | None:
     """The same draft after ``committed`` tokens were accepted since it was made, or None.
 

@@ -29,6 +29,9 @@ from draftmesh.v1 import draft_source_pb2_grpc as pb_grpc
 
 log = logging.getLogger(__name__)
 
+MAX_ANSWER_BYTES = 4 * 1024 * 1024
+"""The largest ProposeResponse read from a remote source."""
+
 LOG_EVERY = 100
 """While a source keeps failing the same way, one log line per this many failed calls."""
 
@@ -38,7 +41,9 @@ _CHANNEL_OPTIONS = (
     ("grpc.initial_reconnect_backoff_ms", 200),
     ("grpc.min_reconnect_backoff_ms", 200),
     ("grpc.max_reconnect_backoff_ms", 5000),
-    ("grpc.max_receive_message_length", 16 * 1024 * 1024),
+    # What wire.proposals_from_proto keeps (64 proposals of 1024 ids or 32k characters) fits
+    # in well under 4 MiB; a larger answer fails that call (the step drafts without it).
+    ("grpc.max_receive_message_length", MAX_ANSWER_BYTES),
     ("grpc.max_send_message_length", 64 * 1024 * 1024),
 )
 

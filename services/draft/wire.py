@@ -10,7 +10,8 @@ from __future__ import annotations
 
 from typing import Sequence
 
-from draftmesh.draft.base import DraftContext, Proposal
+from draftmesh.draft.base import MAX_PROPOSALS_PER_SOURCE, TEXT_CHARS_PER_NODE, DraftContext, Proposal, bounded
+from draftmesh.io_struct import MAX_TREE_NODES
 from draftmesh.v1 import draft_source_pb2 as pb
 from draftmesh.v1 import generation_pb2 as gen_pb
 
@@ -62,15 +63,21 @@ def proposals_to_proto(source: str, proposals: Sequence[Proposal]) -> pb.Propose
 def proposals_from_proto(resp: pb.ProposeResponse, source: str, *, token_ids_ok: bool = True) -> list[Proposal]:
     """Proposals named after ``source`` (the name this deployment knows it by, not the one
     it claims). With ``token_ids_ok`` False, id proposals are dropped: the source does not
-    share the target's tokenizer."""
+    share the target's tokenizer. What a remote source sends is bounded here first: at most
+    ``MAX_PROPOSALS_PER_SOURCE`` proposals, each cut to a tree of ``MAX_TREE_NODES`` nodes,
+    scores clamped to [0, 1] (``bounded``)."""
     out = []
-    for msg in resp.proposals:
+    for msg in resp.proposals[:MAX_PROPOSALS_PER_SOURCE]:
         confidence = min(1.0, max(0.0, msg.confidence)) if msg.confidence == msg.confidence else 0.0
         if msg.token_ids:
             if not token_ids_ok:
                 continue
-            probs = tuple(msg.token_probs) if len(msg.token_probs) == len(msg.token_ids) else None
-            out.append(Proposal(source, token_ids=tuple(msg.token_ids), token_probs=probs, confidence=confidence))
+            n = min(len(msg.token_ids), MAX_TREE_NODES)
+            probs = tuple(msg.token_probs[:n]) if len(msg.token_probs) == len(msg.token_ids) else None
+            out.append(bounded(Proposal(source, token_ids=tuple(msg.token_ids[:n]), token_probs=probs,
+                                        confidence=confidence), MAX_TREE_NODES))
         elif msg.text:
-            out.append(Proposal(source, text=msg.text, confidence=confidence, text_complete=msg.text_complete))
+            text = msg.text[: MAX_TREE_NODES * TEXT_CHARS_PER_NODE]
+            out.append(Proposal(source, text=text, confidence=confidence,
+                                text_complete=msg.text_complete and len(text) == len(msg.text)))
     return out

@@ -24,7 +24,15 @@ from opentelemetry import trace
 
 from draftmesh import tracing
 from draftmesh.backend import KVState, TorchTarget
-from draftmesh.draft.base import DraftContext, DraftSource, LearningSource, Proposal, sliced
+from draftmesh.draft.base import (
+    MAX_PROPOSALS_PER_SOURCE,
+    DraftContext,
+    DraftSource,
+    LearningSource,
+    Proposal,
+    bounded,
+    sliced,
+)
 from draftmesh.io_struct import FinishReason, GenerationRequest, GenerationResult, StepEvent, StepRecord
 from draftmesh.tree import TokenTree
 from draftmesh.verify.policy import AcceptancePolicy, make_policy
@@ -310,7 +318,9 @@ class SpeculativeDecoder:
         for source in sources:
             if source.name not in answers.proposals:
                 continue
-            got = answers.proposals[source.name]
+            # Cut to what this step's tree can hold before anything looks at them: a source
+            # (an external one above all) may send any number of proposals of any length.
+            got = [bounded(p, ctx.size_hint) for p in answers.proposals[source.name][:MAX_PROPOSALS_PER_SOURCE]]
             valid = [p for p in got if self._usable(p)]
             if len(valid) < len(got):
                 log.warning("draft source %s proposed tokens outside the vocabulary; dropped", source.name)
@@ -319,7 +329,13 @@ class SpeculativeDecoder:
                 valid = _capped(valid, caps[source.name])
             proposals.extend(valid)
             proposed[source.name] = proposed.get(source.name, 0) + len(valid)
-        tree = self.builder.build(proposals, ctx)
+        try:
+            tree = self.builder.build(proposals, ctx)
+        except Exception:  # a bad draft must only cost speed: this step decodes one token
+            log.exception("tree builder failed on %d proposals from %s; this step drafts nothing",
+                          len(proposals), ", ".join(sorted(proposed)) or "no source")
+            tree = TokenTree()
+            failed.extend(sorted(proposed))
         # The bonus token always comes on top, and positions must stay inside the context.
         max_depth = min(remaining - 1, self.target.max_context - cache_len - 2)
         tree = tree.truncate_depth(max_depth)

@@ -29,7 +29,7 @@ from typing import Mapping, Sequence
 
 from draftmesh.config import BuilderConfig
 from draftmesh.draft.align import TextAligner
-from draftmesh.draft.base import DraftContext, Proposal
+from draftmesh.draft.base import DraftContext, Proposal, bounded
 from draftmesh.tree import DraftSequence, TokenTree
 from draftmesh.verify.acceptance import Verdict
 
@@ -139,22 +139,26 @@ def default_aligner(tokenizer) -> TextAligner | None:
 
 
 def proposal_sequences(
-    proposals: Sequence[Proposal], ctx: DraftContext, aligner: TextAligner | None, *, keep_dists: bool = False
+    proposals: Sequence[Proposal], ctx: DraftContext, aligner: TextAligner | None, *, max_nodes: int,
+    keep_dists: bool = False,
 ) -> list[DraftSequence]:
     """One token chain per usable proposal, in the given order; text proposals aligned to the
     committed ids (a proposal that aligns to nothing, or text without an aligner, is dropped).
 
-    Token proposals keep their own probabilities; aligned text gets its confidence per
-    token. ``keep_dists`` passes a sampled proposal's q rows on (only a builder that never
-    selects by value may keep them)."""
+    Each proposal is first cut to what a tree of ``max_nodes`` can hold (``bounded``: no
+    chosen node lies deeper than the cap, so nothing is lost), which bounds alignment and
+    trie building whatever a source sent. Token proposals keep their own probabilities
+    (clamped to [0, 1]); aligned text gets its confidence per token. ``keep_dists`` passes a
+    sampled proposal's q rows on (only a builder that never selects by value may keep them)."""
     out = []
     for p in proposals:
+        p = bounded(p, max_nodes)
         tokens, probs, dists = p.token_ids, p.token_probs, p.token_dists if keep_dists else None
         if tokens is None and p.text:
             if aligner is None:
                 _warn_unaligned(p.source)
                 continue
-            tokens, probs = aligner.align(ctx.token_ids, p.text, complete=p.text_complete), None
+            tokens, probs = aligner.align(ctx.token_ids, p.text, complete=p.text_complete)[:max_nodes], None
         if tokens:
             out.append(DraftSequence(tuple(tokens), p.source, dists, probs if probs is not None else (p.confidence,) * len(tokens)))
     return out
@@ -202,7 +206,7 @@ class CostAwareTreeBuilder:
         if state.cooldown > 0:
             state.cooldown -= 1
             return TokenTree()
-        sequences = proposal_sequences(proposals, ctx, self.aligner)
+        sequences = proposal_sequences(proposals, ctx, self.aligner, max_nodes=cap)
         if not sequences or cap == 0:
             return TokenTree()
         full = TokenTree.from_sequences(sequences)
@@ -315,8 +319,9 @@ class TrieBuilder:
     def build(self, proposals: Sequence[Proposal], ctx: DraftContext) -> TokenTree:
         usable = [p for p in proposals if p.token_ids or p.text]
         ranked = sorted(usable, key=lambda p: -p.confidence)
-        seqs = proposal_sequences(ranked, ctx, self.aligner, keep_dists=True)
         cap = min(self.max_nodes, int(ctx.options.get("max_nodes", self.max_nodes)))
+        # Each chain cut to `cap` tokens, whatever its values: its draws stay exact samples.
+        seqs = proposal_sequences(ranked, ctx, self.aligner, max_nodes=cap, keep_dists=True)
         tree = TokenTree.from_sequences(seqs)
         cut = len(tree) > cap
         if cut:  # the first `cap` nodes are what a capped build keeps (parents precede children)

@@ -98,3 +98,42 @@ def test_trie_builder_keeps_q_draws_unless_it_cuts_or_reorders():
     capped = TrieBuilder(max_nodes=3).build([Proposal("a", token_ids=(1, 2, 3, 4)), Proposal("b", token_ids=(5,))], ctx)
     assert capped.tokens == TokenTree.from_sequences([DraftSequence((1, 2, 3, 4), "a"), DraftSequence((5,), "b")],
                                                      max_nodes=3).tokens
+
+
+class _CountingDict(dict):
+    """A children index that counts the nodes put into it."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.inserts = 0
+
+    def setdefault(self, key, default=None):
+        self.inserts += 1
+        return super().setdefault(key, default)
+
+
+def test_building_a_trie_indexes_each_node_once():
+    """The children index grows with the tree instead of being rebuilt on every added node, so a
+    source's 20k-token draft costs 20k insertions, not 200M (it used to take minutes)."""
+    index = _CountingDict()
+
+    class Counted(TokenTree):
+        def __init__(self, *args, **kwargs) -> None:
+            super().__init__(*args, **kwargs)
+            self._children_cache = index
+
+    chain = DraftSequence([i % 50 for i in range(20_000)], "a")
+    tree = Counted.from_sequences([chain, DraftSequence([0, 1, 99], "b")])
+    assert len(tree) == 20_001 and tree.children(-1) == [0] and tree.children(1) == [2, 20_000]
+    assert index.inserts == len(tree)
+
+
+def test_the_children_index_follows_appends_and_replaced_lists():
+    tree = TokenTree.from_sequences([DraftSequence([1, 2], "a")])
+    assert tree.children(0) == [1]
+    sub = tree.subtree([0])
+    assert sub.children(0) == [] and sub.children(-1) == [0]
+    tree.add(0, 7, "b")
+    assert tree.children(0) == [1, 2]
+    tree.tokens, tree.parents, tree.depths = [4], [-1], [1]  # lists replaced by shorter ones
+    assert tree.children(-1) == [0] and tree.children(0) == []

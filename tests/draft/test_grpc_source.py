@@ -284,3 +284,56 @@ def test_cli_draft_serve(clients, tmp_path):
         if proc.poll() is None:
             proc.kill()
             proc.wait()
+
+
+def test_what_a_remote_source_sends_is_bounded_on_arrival():
+    resp = pb.ProposeResponse(source="x")
+    for k in range(200):
+        resp.proposals.add(token_ids=list(range(5000)), token_probs=[float("inf")] * 5000, confidence=float("inf"))
+    resp.proposals[0].ClearField("token_ids")
+    resp.proposals[0].ClearField("token_probs")
+    resp.proposals[0].text = "a" * 10_000_000
+    resp.proposals[0].text_complete = True
+    got = wire.proposals_from_proto(resp, "remote", token_ids_ok=True)
+    from draftmesh.draft.base import MAX_PROPOSALS_PER_SOURCE, TEXT_CHARS_PER_NODE
+    from draftmesh.io_struct import MAX_TREE_NODES
+
+    assert len(got) == MAX_PROPOSALS_PER_SOURCE
+    assert len(got[0].text) == MAX_TREE_NODES * TEXT_CHARS_PER_NODE and got[0].text_complete is False
+    assert all(len(p.token_ids) == MAX_TREE_NODES and set(p.token_probs) == {1.0} for p in got[1:])
+    assert all(p.confidence == 1.0 and p.source == "remote" for p in got)
+
+
+def test_bounded_cuts_and_clamps_only_what_is_out_of_bounds():
+    from draftmesh.draft.base import TEXT_CHARS_PER_NODE, bounded
+
+    fine = Proposal("s", token_ids=(1, 2, 3), token_probs=(0.5, 1.0, 0.0), confidence=0.7)
+    assert bounded(fine, 3) is fine
+    cut = bounded(Proposal("s", token_ids=(1, 2, 3), token_probs=(float("nan"), 9.0, -2.0), confidence=float("inf")), 2)
+    assert cut.token_ids == (1, 2) and cut.token_probs == (0.0, 1.0) and cut.confidence == 1.0
+    text = bounded(Proposal("s", text="x" * 1000, text_complete=True), 2)
+    assert text.text == "x" * (2 * TEXT_CHARS_PER_NODE) and not text.text_complete
+    assert bounded(Proposal("s", token_ids=(1, 2)), 0).token_ids == ()
+
+
+def test_an_answer_larger_than_we_read_fails_that_call_only(clients):
+    import grpc as grpc_mod
+    from concurrent import futures
+
+    from draftmesh.draft.grpc_source import MAX_ANSWER_BYTES
+
+    class Flood(pb_grpc.DraftSourceServicer):
+        def Propose(self, request, context):  # noqa: N802
+            return pb.ProposeResponse(source="f", proposals=[pb.Proposal(text="z" * (MAX_ANSWER_BYTES + 1))])
+
+    server = grpc_mod.server(futures.ThreadPoolExecutor(2), options=[("grpc.max_send_message_length", 64 << 20)])
+    pb_grpc.add_DraftSourceServicer_to_server(Flood(), server)
+    port = server.add_insecure_port("127.0.0.1:0")
+    server.start()
+    try:
+        client = clients("flood", f"127.0.0.1:{port}", timeout_s=5.0)
+        with pytest.raises(RemoteSourceError) as err:
+            client.propose(CTX)
+        assert err.value.code == grpc_mod.StatusCode.RESOURCE_EXHAUSTED
+    finally:
+        server.stop(None)

@@ -168,3 +168,26 @@ def test_every_builder_drafts_text_proposals_in_a_plain_decoder():
         got = SpeculativeDecoder(target, [TextOracle()], builder).generate(req)
         assert got.token_ids == want
         assert sum(s.accepted_by_source.get("text", 0) for s in got.steps) >= len(want) // 2
+
+
+# ---------------------------------------------------------------------- whatever a source sends
+def test_a_draft_is_cut_to_the_node_cap_before_the_trie_is_built():
+    from draftmesh.verify.tree_builder import proposal_sequences
+
+    long = Proposal("s", token_ids=tuple(range(5, 20_005)), token_probs=(0.5,) * 20_000)
+    text = Proposal("t", text="w " * 100_000)
+    seqs = proposal_sequences([long, text], ctx(), None, max_nodes=16)
+    assert [len(s.tokens) for s in seqs] == [16]  # text without an aligner is dropped, as before
+    tree = CostAwareTreeBuilder(CURVE, BuilderConfig(max_nodes=16)).build([long], ctx())
+    assert 0 < len(tree) <= 16 and tree.tokens == list(range(5, 5 + len(tree)))
+
+
+@pytest.mark.parametrize("probs", [(float("inf"),) * 3, (float("nan"), 2.0, -1.0), (1e308, 1e308, 1e308)])
+def test_scores_out_of_range_are_clamped_not_fatal(probs):
+    """A token_probs of +inf used to reach int(inf) in the confidence bins: OverflowError, and the
+    request failed with INTERNAL."""
+    builder = CostAwareTreeBuilder(CURVE)
+    tree = builder.build([Proposal("s", token_ids=(4, 5, 6), token_probs=probs)], ctx())
+    assert tree.tokens[: len(tree)] == [4, 5, 6][: len(tree)]
+    assert all(0.0 <= c <= 1.0 for scores in tree.source_scores or [] for c in scores.values())
+    builder.observe(tree, Verdict(accepted=list(range(len(tree))), next_token=1), ctx())
