@@ -9,10 +9,11 @@ budget needs, as a verifier replica does), answer a first request.
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import sys
 import time
+
+from draftmesh.bench.vllm_worker import answer_requests, reply_channel
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -26,13 +27,7 @@ def main(argv: list[str] | None = None) -> int:
         help="comma-separated draft sources; 'plain' for none (default: the registry's default set)",
     )
     args = parser.parse_args(argv)
-    replies = os.fdopen(os.dup(1), "w", buffering=1)
-    os.dup2(2, 1)  # whatever the libraries print goes to stderr, the protocol keeps stdout
-    sys.stdout = sys.stderr
-
-    def send(obj) -> None:
-        replies.write(json.dumps(obj) + "\n")
-        replies.flush()
+    send = reply_channel()
 
     # lazy: the whole point is timing these imports from a cold process
     import torch
@@ -49,23 +44,15 @@ def main(argv: list[str] | None = None) -> int:
     decoder = build_decoder(target, sources)
     send({"event": "ready", "load_s": time.perf_counter() - t0, "torch": torch.__version__, "pid": os.getpid(),
           "sources": [s.name for s in decoder.sources]})
-    for line in sys.stdin:
-        if not line.strip():
-            continue
-        msg = json.loads(line)
-        if msg.get("op") == "exit":
-            break
-        rid = msg.get("id")
-        try:
-            start = time.perf_counter()
-            res = decoder.generate(GenerationRequest(
-                prompt_ids=tuple(int(t) for t in msg["prompt_ids"]), max_new_tokens=int(msg["max_new_tokens"]),
-                request_id=str(rid),
-            ))
-            send({"event": "result", "id": rid, "token_ids": list(res.token_ids),
-                  "seconds": time.perf_counter() - start, "finish_reason": res.finish_reason})
-        except Exception as exc:  # noqa: BLE001 - reported to the bench
-            send({"event": "error", "id": rid, "message": f"{type(exc).__name__}: {exc}"})
+    def generate(msg):
+        start = time.perf_counter()
+        res = decoder.generate(GenerationRequest(
+            prompt_ids=tuple(int(t) for t in msg["prompt_ids"]), max_new_tokens=int(msg["max_new_tokens"]),
+            request_id=str(msg.get("id")),
+        ))
+        return res.token_ids, time.perf_counter() - start, res.finish_reason
+
+    answer_requests(send, generate)
     return 0
 
 

@@ -140,6 +140,16 @@ class MethodRunner(Protocol):
     def run(self, item: PreparedItem) -> ItemRun: ...
 
 
+def cut_at_eos(token_ids: Sequence[int], eos_ids) -> list[int]:
+    """The tokens up to and including the first EOS, as our decoder stops (for engines that may
+    hand back more: transformers ``generate``, vLLM)."""
+    out = list(token_ids)
+    for i, tok in enumerate(out):
+        if tok in eos_ids:
+            return out[: i + 1]
+    return out
+
+
 def prepare_items(items: Sequence[WorkItem], target, max_new_tokens: int | None = None) -> list[PreparedItem]:
     """Render prompts with the target's tokenizer and check each fits the model's context."""
     prepared, problems = [], []

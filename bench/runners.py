@@ -11,7 +11,7 @@ import torch
 from transformers import GenerationConfig
 
 from draftmesh.backend import TorchTarget
-from draftmesh.bench.items import ItemRun, MethodRunner, PreparedItem, SourceStats
+from draftmesh.bench.items import ItemRun, MethodRunner, PreparedItem, SourceStats, cut_at_eos
 from draftmesh.bench.methods import Method
 from draftmesh.bench.tracing import tracing_switch
 from draftmesh.config import BuilderConfig, EngineConfig
@@ -211,11 +211,7 @@ class HFRunner:
                 input_ids=ids, attention_mask=torch.ones_like(ids), generation_config=cfg, **kwargs
             )
             seconds = time.perf_counter() - t0
-        new = out[0, ids.shape[1] :].tolist()
-        for i, tok in enumerate(new):  # stop at EOS like the engine (EOS kept, nothing after)
-            if tok in self.eos_ids:
-                new = new[: i + 1]
-                break
+        new = cut_at_eos(out[0, ids.shape[1] :].tolist(), self.eos_ids)
         return ItemRun(
             item_id=item.id,
             kind=item.kind,

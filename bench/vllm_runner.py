@@ -16,7 +16,7 @@ import sys
 from pathlib import Path
 from typing import Any, Mapping, Sequence
 
-from draftmesh.bench.items import ItemRun, PreparedItem
+from draftmesh.bench.items import ItemRun, PreparedItem, cut_at_eos
 from draftmesh.bench.methods import VLLM, VLLM_NGRAM
 from draftmesh.bench.worker_process import WorkerError, WorkerProcess
 from draftmesh.models import ensure_converted, resolve
@@ -137,19 +137,14 @@ class VLLMRunner:
         if self.startup is None:
             spec = " + ngram" if self.name == VLLM_NGRAM else ""
             self.startup = startup_record(self.worker, f"vllm {self.worker.ready.get('vllm', '?')}{spec}")
-        ids = [int(t) for t in out["token_ids"]]
-        for i, tok in enumerate(ids):  # stop at EOS like the engine (EOS kept, nothing after)
-            if tok in self.eos_ids:
-                ids = ids[: i + 1]
-                break
+        ids = cut_at_eos([int(t) for t in out["token_ids"]], self.eos_ids)
         text = self.tokenizer.decode(ids, skip_special_tokens=True) if self.tokenizer is not None else ""
         return ItemRun(item_id=item.id, kind=item.kind, method=self.name, token_ids=ids,
                        seconds=float(out["seconds"]), text=text, prompt_tokens=len(item.prompt_ids))
 
 
-
 def startup_record(worker: WorkerProcess, what: str) -> dict[str, Any]:
-    """A worker's cold start: spawn to ready, to the end of its first answer, and its memory now."""
+    """A worker's cold start: spawn to ready, that plus its first request's time, its memory now."""
     mem = worker.memory() or {}
     return {
         "engine": what,
@@ -185,7 +180,7 @@ def start_vllm(python: Path, model_dir: str, *, dtype: str, threads: int, max_le
 def our_engine_startup(model: str, *, dtype: str, threads: int, sources: str | None, item: PreparedItem,
                        what: str) -> dict[str, Any]:
     """Our engine measured like vLLM's worker: a cold ``engine_worker`` process in this environment,
-    spawn to ready, to the end of a first request (``item``), and its memory then."""
+    spawn to ready, that plus a first request's time (``item``), and its memory then."""
     cmd = [sys.executable, "-m", "draftmesh.bench.engine_worker", "--model", model, "--dtype", dtype,
            "--threads", str(threads)]
     if sources is not None:

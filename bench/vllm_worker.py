@@ -27,12 +27,39 @@ import sys
 import time
 
 
-def _replies():
-    """The protocol's channel (the original stdout) and stdout pointed at stderr."""
+def reply_channel():
+    """``send(obj)`` writing one JSON line to the protocol's channel (the original stdout), with
+    stdout pointed at stderr so that nothing a library prints can reach the protocol."""
     out = os.fdopen(os.dup(1), "w", buffering=1)
     os.dup2(2, 1)
     sys.stdout = sys.stderr
-    return out
+
+    def send(obj) -> None:
+        out.write(json.dumps(obj) + "\n")
+        out.flush()
+
+    return send
+
+
+def answer_requests(send, generate) -> None:
+    """Answer ``generate`` lines from stdin until ``exit`` or end of input: ``generate(msg)``
+    returns ``(token_ids, seconds, finish_reason)``; an exception answers that request with an
+    error and the worker goes on. Shared with ``engine_worker`` (which imports this module;
+    this script itself can import nothing of draftmesh, which vLLM's environment lacks)."""
+    for line in sys.stdin:
+        if not line.strip():
+            continue
+        msg = json.loads(line)
+        if msg.get("op") == "exit":
+            break
+        rid = msg.get("id")
+        try:
+            token_ids, seconds, finish_reason = generate(msg)
+        except Exception as exc:  # noqa: BLE001 - reported to the bench, which fails the method
+            send({"event": "error", "id": rid, "message": f"{type(exc).__name__}: {exc}"})
+            continue
+        send({"event": "result", "id": rid, "token_ids": list(token_ids), "seconds": seconds,
+              "finish_reason": finish_reason})
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -44,11 +71,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--speculative-config", default=None, metavar="JSON",
                         help="vLLM's speculative_config, e.g. n-gram prompt lookup (default: none, plain decoding)")
     args = parser.parse_args(argv)
-    replies = _replies()
-
-    def send(obj) -> None:
-        replies.write(json.dumps(obj) + "\n")
-        replies.flush()
+    send = reply_channel()
 
     t0 = time.perf_counter()
     import vllm
@@ -68,32 +91,21 @@ def main(argv: list[str] | None = None) -> int:
     )
     send({"event": "ready", "load_s": time.perf_counter() - t0, "vllm": vllm.__version__, "pid": os.getpid()})
 
-    for line in sys.stdin:
-        if not line.strip():
-            continue
-        msg = json.loads(line)
-        if msg.get("op") == "exit":
-            break
-        rid = msg.get("id")
-        try:
-            params = SamplingParams(
-                temperature=0.0,
-                max_tokens=int(msg["max_new_tokens"]),
-                stop_token_ids=[int(t) for t in msg.get("stop_token_ids", [])],
-                ignore_eos=False,
-                detokenize=False,
-            )
-            prompt = TokensPrompt(prompt_token_ids=[int(t) for t in msg["prompt_ids"]])
-            start = time.perf_counter()
-            (out,) = llm.generate([prompt], params, use_tqdm=False)
-            seconds = time.perf_counter() - start
-            completion = out.outputs[0]
-            send({
-                "event": "result", "id": rid, "token_ids": list(completion.token_ids), "seconds": seconds,
-                "finish_reason": completion.finish_reason,
-            })
-        except Exception as exc:  # noqa: BLE001 - reported to the bench, which fails the method
-            send({"event": "error", "id": rid, "message": f"{type(exc).__name__}: {exc}"})
+    def generate(msg):
+        params = SamplingParams(
+            temperature=0.0,
+            max_tokens=int(msg["max_new_tokens"]),
+            stop_token_ids=[int(t) for t in msg.get("stop_token_ids", [])],
+            ignore_eos=False,
+            detokenize=False,
+        )
+        prompt = TokensPrompt(prompt_token_ids=[int(t) for t in msg["prompt_ids"]])
+        start = time.perf_counter()
+        (out,) = llm.generate([prompt], params, use_tqdm=False)
+        completion = out.outputs[0]
+        return completion.token_ids, time.perf_counter() - start, completion.finish_reason
+
+    answer_requests(send, generate)
     return 0
 
 
