@@ -22,10 +22,13 @@ from typing import Sequence
 import torch
 from transformers import DynamicCache
 
+from draftmesh.batch_kv import RowInput, SlotKVCache, use_batched_attention
 from draftmesh.models import load_model
 from draftmesh.tree import TokenTree
 
 COST_CURVE_SIZES = (1, 2, 4, 8, 16, 32, 64)
+BATCH_COST_ROWS = (2, 4, 8, 16)
+BATCH_COST_TOKENS_PER_ROW = (1, 2, 4, 8)
 
 
 @dataclass
@@ -64,7 +67,10 @@ class TorchTarget:
         self._mask_by_layer_type = "sliding_attention" in layer_types
         self.eos_token_ids = self._eos_ids()
         self.cost_curve: dict[int, float] = {}
+        self.batch_cost: dict[int, dict[int, float]] = {}
+        """Rows -> {total tokens: cost relative to a one-token batch-1 step}; rows 1 is ``cost_curve``."""
         self.step_seconds: float | None = None
+        use_batched_attention(model)
 
     @classmethod
     def load(cls, spec: str, *, device: str = "cpu", dtype: torch.dtype | None = None) -> "TorchTarget":
@@ -136,6 +142,37 @@ class TorchTarget:
         mask.masked_fill_(~visible, torch.finfo(self.dtype).min)
         return mask[None, None]
 
+    # ------------------------------------------------------------------ batched steps
+    def new_batch_cache(self, max_bytes: int) -> SlotKVCache:
+        return SlotKVCache.for_model(self.model, max_bytes=max_bytes)
+
+    @torch.inference_mode()
+    def forward_batch(self, kv: SlotKVCache, inputs: Sequence[RowInput]) -> list[torch.Tensor]:
+        """One forward over every row's new tokens; logits (fp32) per row for its tokens from
+        ``logits_from`` on (an empty tensor for a pure prefill chunk). Every token is appended to
+        its row; ``kv.commit`` then keeps the accepted ones.
+
+        ``lm_head`` runs only where logits are needed: a prefill chunk's positions never reach it.
+        """
+        view = kv.view(inputs, self.sliding_window or None)
+        dummy = torch.zeros((1, 1, 1, 1), dtype=torch.bool, device=self.device)  # masks are the view's
+        mask = {"full_attention": dummy, "sliding_attention": dummy} if self._mask_by_layer_type else dummy
+        hidden = self.model.get_decoder()(
+            input_ids=view.input_ids, position_ids=view.position_ids, attention_mask=mask, cache=view, use_cache=True
+        ).last_hidden_state[0]
+        view.advance()
+        logits = self.model.get_output_embeddings()(hidden.index_select(0, view.logit_index))
+        cap = getattr(self.config, "final_logit_softcapping", None)
+        if cap:
+            logits = torch.tanh(logits / cap) * cap
+        logits = logits.float()
+        out, start = [], 0
+        for inp in inputs:
+            n = len(inp.tokens) - inp.logits_from
+            out.append(logits[start : start + n])
+            start += n
+        return out
+
     def top2_gap(self, token_ids: Sequence[int]) -> float:
         """Top-1 minus top-2 logit after ``token_ids`` under plain decoding.
 
@@ -193,3 +230,39 @@ class TorchTarget:
         self.cost_curve = {k: medians[k] / unit for k in sizes}
         self.step_seconds = unit
         return self.cost_curve
+
+    @torch.inference_mode()
+    def measure_batch_cost(
+        self, rows: Sequence[int] = BATCH_COST_ROWS, per_row: Sequence[int] = BATCH_COST_TOKENS_PER_ROW,
+        context: int = 128, repeats: int = 3,
+    ) -> dict[int, dict[int, float]]:
+        """Time of one batched forward over ``r`` rows of ``k`` tokens each (a root and a chain),
+        relative to a batch-1 one-token step timed in the same rounds (interleaved, medians).
+        Stored as ``batch_cost[r][r * k]``; the scheduler's budget reads it."""
+        gen = torch.Generator().manual_seed(1)
+        prompt = torch.randint(0, self.vocab_size, (context + max(per_row),), generator=gen).tolist()
+        top = max(rows)
+        kv = self.new_batch_cache(max_bytes=1 << 40)
+        kv.ensure(top, context + max(per_row) + 1)
+        for _ in range(top):
+            kv.add_row()
+        for r in range(top):  # fill every row's cache once
+            self.forward_batch(kv, [RowInput.chain(r, prompt[:context])])
+        shapes = [(1, 1)] + [(r, k) for r in rows for k in per_row]
+        timings: dict[tuple[int, int], list[float]] = {s: [] for s in shapes}
+        for rep in range(repeats + 1):
+            for r, k in shapes:
+                inputs = [RowInput.chain(i, prompt[context : context + k], logits_from=0) for i in range(r)]
+                t0 = time.perf_counter()
+                self.forward_batch(kv, inputs)
+                elapsed = time.perf_counter() - t0
+                for i in range(r):
+                    kv.commit(i, context, [])
+                if rep:
+                    timings[(r, k)].append(elapsed)
+        unit = statistics.median(timings[(1, 1)])
+        table: dict[int, dict[int, float]] = {}
+        for r, k in shapes[1:]:
+            table.setdefault(r, {})[r * k] = statistics.median(timings[(r, k)]) / unit
+        self.batch_cost = table
+        return table

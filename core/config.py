@@ -100,6 +100,15 @@ class EngineConfig:
         help="traced steps per request: a span per step (draft, sources, verify) for the first N steps; 0: none, the "
              "request span keeps the totals (tracing is on only with OTEL_EXPORTER_OTLP_ENDPOINT)",
     )
+    kv_budget_bytes: int = option(
+        2 << 30, min=1 << 20,
+        help="bytes of target KV per replica: the batch's slab and the pooled sessions together; a request that does "
+             "not fit waits, one that never could gets RESOURCE_EXHAUSTED",
+    )
+    max_batch_tokens: int = option(512, min=1, help="tokens per batched forward: roots, draft trees and prefill chunks")
+    prefill_chunk: int = option(256, min=1, help="prompt tokens of one request prefilled per step (chunked prefill)")
+    max_batch_rows: int = option(32, min=1, help="requests decoded together in one batch")
+    max_waiting: int = option(256, min=0, help="requests waiting for room in the batch before RESOURCE_EXHAUSTED")
 
     def __post_init__(self) -> None:
         check_fields(self)

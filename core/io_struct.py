@@ -200,6 +200,9 @@ class Rejected:
     """The replica refused the request before decoding; ``message`` says why."""
 
     message: str
+    reason: Literal["invalid", "busy"] = "invalid"
+    """``invalid``: the request itself (INVALID_ARGUMENT); ``busy``: the replica's KV budget or queue
+    is full now (RESOURCE_EXHAUSTED)."""
 
 
 # ---------------------------------------------------------------------- steps and results

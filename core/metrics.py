@@ -18,7 +18,8 @@ from typing import Any, Mapping, Protocol, Sequence
 
 LATENCY_BUCKETS_S = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0)
 TOKENS_PER_STEP_BUCKETS = (1, 2, 3, 4, 5, 6, 8, 10, 12, 16, 24, 32)
-TREE_SIZE_BUCKETS = (1, 2, 4, 8, 16, 32, 64, 128, 256)  # Ray wants positive boundaries; 0 falls in the first
+TREE_SIZE_BUCKETS = (1, 2, 4, 8, 16, 32, 64, 128, 256, 512, 1024)  # Ray wants positive boundaries; 0 falls in the first
+BATCH_ROWS_BUCKETS = (1, 2, 3, 4, 6, 8, 12, 16, 24, 32, 64)
 
 Tags = Mapping[str, str] | None
 

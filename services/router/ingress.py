@@ -183,7 +183,8 @@ class Router:
             try:
                 async for event in stream:
                     if isinstance(event, Rejected):
-                        raise self._fail(ctx, grpc.StatusCode.INVALID_ARGUMENT, event.message)
+                        code = grpc.StatusCode.RESOURCE_EXHAUSTED if event.reason == "busy" else grpc.StatusCode.INVALID_ARGUMENT
+                        raise self._fail(ctx, code, event.message)
                     started = True
                     yield event
                 return

@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import dataclasses
 import logging
+import threading
 import time
 import uuid
 from concurrent.futures import ThreadPoolExecutor
@@ -23,7 +24,7 @@ from typing import Any, Callable, Iterator, Mapping, Sequence
 from opentelemetry import trace
 
 from draftmesh import tracing
-from draftmesh.backend import KVState, TorchTarget
+from draftmesh.backend import TorchTarget
 from draftmesh.draft.base import (
     MAX_PROPOSALS_PER_SOURCE,
     DraftContext,
@@ -33,13 +34,14 @@ from draftmesh.draft.base import (
     bounded,
     sliced,
 )
-from draftmesh.io_struct import FinishReason, GenerationRequest, GenerationResult, StepEvent, StepRecord
+from draftmesh.io_struct import GenerationRequest, GenerationResult, StepEvent, StepRecord
 from draftmesh.tree import TokenTree
 from draftmesh.verify.policy import AcceptancePolicy, make_policy
+from draftmesh.verify.request_run import RequestRun, StepPlan
+from draftmesh.verify.scheduler import BatchLimits, BatchScheduler, Ticket
 from draftmesh.verify.session_kv import SessionKVPool
 from draftmesh.verify.source_caller import SourceCaller
-from draftmesh.verify.text_stream import TextStream
-from draftmesh.verify.tree_builder import CostAwareTreeBuilder, TreeBuilder, default_aligner
+from draftmesh.verify.tree_builder import CostAwareTreeBuilder, ScoredTree, TreeBuilder, default_aligner
 
 log = logging.getLogger(__name__)
 
@@ -60,6 +62,8 @@ class SpeculativeDecoder:
         source_deadline_s: float | None = None,
         kv_pool: SessionKVPool | None = None,
         trace_steps: int = 256,
+        batch_limits: BatchLimits | None = None,
+        batch_observer: Any = None,
     ) -> None:
         self.target = target
         self.sources = list(sources)
@@ -78,6 +82,10 @@ class SpeculativeDecoder:
         """Steps of a request traced with their own spans (draft, sources, verify); later ones are not."""
         self._tracer = tracing.tracer("draftmesh.verify")
         self._flag_pool: ThreadPoolExecutor | None = None
+        self.batch_limits = batch_limits
+        self.batch_observer = batch_observer
+        self._scheduler: BatchScheduler | None = None
+        self._scheduler_lock = threading.Lock()
 
     # ------------------------------------------------------------------ validation
     def validate(self, req: GenerationRequest) -> AcceptancePolicy:
@@ -120,7 +128,10 @@ class SpeculativeDecoder:
         return result
 
     def stream(self, req: GenerationRequest) -> Iterator[StepEvent | GenerationResult]:
-        """Yield a StepEvent per step (possibly with empty text), then the GenerationResult."""
+        """Yield a StepEvent per step (possibly with empty text), then the GenerationResult.
+
+        The request joins this decoder's batch (``BatchScheduler``): callers on other threads
+        share every forward. Raises ``Busy`` when the replica cannot take it now."""
         policy = self.validate(req)
         if not req.request_id:
             req = dataclasses.replace(req, request_id=uuid.uuid4().hex)
@@ -133,147 +144,134 @@ class SpeculativeDecoder:
             "draftmesh.sampling": "greedy" if req.sampling.greedy else "sample",
         })
         outcome = "cancelled"
+        scheduler = self.scheduler
+        ticket = None
         try:
-            for event in self._stream(req, policy, trace.set_span_in_context(span)):
+            ticket = self.submit(req, policy, span)
+            while True:
+                event = scheduler.next_event(ticket)
                 if isinstance(event, GenerationResult):
-                    result = event
+                    # The answer stores' I/O runs here, on the caller's thread, never in a step.
+                    self._finish_sources(req, list(req.prompt_ids), list(event.token_ids), event.text)
+                    outcome = event.finish_reason
+                    span.set_attributes({
+                        "draftmesh.tokens": len(event.token_ids), "draftmesh.steps": len(event.steps),
+                        "draftmesh.tokens_per_step": round(event.mean_accepted_per_step, 3),
+                        "draftmesh.reused_tokens": event.reused_tokens, "draftmesh.lenient_tokens": event.lenient_tokens,
+                        "draftmesh.first_token_ms": round(1e3 * event.first_token_s, 3),
+                    })
+                    yield event
+                    return
                 yield event
-            outcome = result.finish_reason
-            span.set_attributes({
-                "draftmesh.tokens": len(result.token_ids), "draftmesh.steps": len(result.steps),
-                "draftmesh.tokens_per_step": round(result.mean_accepted_per_step, 3),
-                "draftmesh.reused_tokens": result.reused_tokens, "draftmesh.lenient_tokens": result.lenient_tokens,
-                "draftmesh.first_token_ms": round(1e3 * result.first_token_s, 3),
-            })
         except Exception as exc:
             outcome = "error"
             tracing.record_error(span, exc)
             raise
         finally:
+            if ticket is not None and not ticket.done:
+                scheduler.cancel(ticket)
             span.set_attribute("draftmesh.finish_reason", outcome)
             span.end()
 
-    def _stream(self, req: GenerationRequest, policy: AcceptancePolicy, trace_ctx) -> Iterator[StepEvent | GenerationResult]:
-        target = self.target
-        t_start = time.perf_counter()
-        prompt = list(req.prompt_ids)
-        pool = self.kv_pool if req.session_id else None
-        # The cache must never go beyond prompt[:-1]: the last prompt token is the first root.
-        state, cached = pool.checkout(req.session_id, prompt[:-1]) if pool is not None else (KVState(), [])
-        reused = len(cached)
-        with self._tracer.start_as_current_span("prefill", context=trace_ctx) as prefill_span:
-            prefill_span.set_attributes({"draftmesh.tokens": len(prompt) - 1 - reused, "draftmesh.reused_tokens": reused})
-            target.prefill(state, prompt[reused:-1])
-        # The ids whose KV the cache holds, tracked apart from the output: a stop-string cut
-        # drops emitted tokens whose KV stays in the cache.
-        cached = prompt[:-1]
-        pending = prompt[-1]
-        generator = None if req.sampling.greedy else req.sampling.generator()
-        lenient_total = 0
-        text = TextStream(target.tokenizer, req.stop)
-        generated: list[int] = []
-        steps: list[StepRecord] = []
+    def submit(self, req: GenerationRequest, policy: AcceptancePolicy | None = None,
+               span: trace.Span = trace.INVALID_SPAN) -> Ticket:
+        """Put the request in the batch (validated); its events then come from ``scheduler.next_event``."""
+        if policy is None:
+            policy = self.validate(req)
+        if not req.request_id:
+            req = dataclasses.replace(req, request_id=uuid.uuid4().hex)
+        return self.scheduler.submit(RequestRun(req, policy, self.target.tokenizer, self.target.eos_token_ids, span))
+
+    @property
+    def scheduler(self) -> BatchScheduler:
+        """The batch every request of this decoder joins (created on first use)."""
+        with self._scheduler_lock:
+            if self._scheduler is None:
+                self._scheduler = BatchScheduler(self, self.batch_limits, self.batch_observer)
+            return self._scheduler
+
+    def batch_stats(self) -> dict:
+        """The batch's counters: steps, rows and tokens per forward, queue, KV bytes."""
+        sched = self._scheduler
+        if sched is None:
+            return {}
+        st, kv = sched.stats, sched.kv
+        return {
+            "steps": st.steps, "mean_rows": st.forward_rows / st.steps if st.steps else 0.0,
+            "mean_tokens_per_forward": st.forward_tokens / st.steps if st.steps else 0.0,
+            "speculating_share": st.drafted_rows / st.forward_rows if st.forward_rows else 0.0,
+            "max_rows": st.max_rows_seen, "admitted": st.admitted, "finished": st.finished,
+            "cancelled": st.cancelled, "refused": st.refused,
+            "mean_wait_s": st.wait_s_total / st.admitted if st.admitted else 0.0,
+            "active_rows": kv.rows, "kv_bytes_allocated": kv.allocated_bytes, "kv_bytes_used": kv.used_bytes,
+            "kv_budget_bytes": sched.limits.kv_budget_bytes,
+        }
+
+    # ------------------------------------------------------------------ a request's part of a step
+    def draft_step(self, run: RequestRun, cache_len: int) -> ScoredTree | None:
+        """Ask the request's sources; return its candidate nodes for the batch budget, or None
+        (the plan then holds a fixed tree: a builder that sizes its own, or no draft)."""
+        req, plan = run.req, run.plan
         spec = req.speculation
         active = [src for src in self.sources if spec.sources is None or src.name in spec.sources]
-        speculate = spec.enabled and bool(active) and spec.max_nodes != 0
-        first_token_s = 0.0
-        finish: FinishReason | None = None
-        while finish is None:
-            step_span = (self._tracer.start_span("step", context=trace_ctx)
-                         if len(steps) < self.trace_steps else trace.INVALID_SPAN)
-            with trace.use_span(step_span, end_on_exit=True, record_exception=True):
-                remaining = req.max_new_tokens - len(generated)
-                t0 = time.perf_counter()
-                tree, proposed, failed, ctx = TokenTree(), {}, (), None
-                if speculate and remaining > 1:
-                    ctx = self._context(req, prompt, generated, size_hint=self.builder.max_nodes)
-                    with self._tracer.start_as_current_span("draft") as draft_span:
-                        tree, proposed, failed = self._draft(ctx, active, spec.source_caps, state.length, remaining)
-                        draft_span.set_attribute("draftmesh.tree_size", len(tree))
-                t1 = time.perf_counter()
-                with self._tracer.start_as_current_span("verify") as verify_span:
-                    base = state.length
-                    # Flags only restrict lenient acceptance: the exact policy never needs them. Their
-                    # lookup (a Redis round trip) runs while the target computes the tree.
-                    flags = None
-                    if self.flag_provider is not None and not policy.lossless and ctx is not None and len(tree):
-                        flags = self._flag_thread().submit(tracing.in_context(self._flags), ctx, tree)
-                    logits = target.forward_tree(state, pending, tree)
-                    flagged = flags.result() if flags is not None else frozenset()
-                    verdict = policy.verify(tree, logits, req.sampling, generator, flagged)
-                    target.commit(state, base, [0] + [1 + a for a in verdict.accepted])
-                    cached += [pending] + [tree.tokens[a] for a in verdict.accepted]
-                    if verify_span.is_recording():
-                        verify_span.set_attributes({"draftmesh.tree_size": len(tree), "draftmesh.accepted": len(verdict.accepted),
-                                                    "draftmesh.flagged_nodes": len(flagged)})
-                t2 = time.perf_counter()
-                self.builder.observe(tree, verdict, ctx)
+        remaining = req.max_new_tokens - len(run.generated)
+        if len(run.steps) < self.trace_steps:
+            plan.span = self._tracer.start_span("step", context=trace.set_span_in_context(run.span))
+        if not (spec.enabled and active and spec.max_nodes != 0 and remaining > 1):
+            return None
+        t0 = time.perf_counter()
+        with trace.use_span(plan.span), self._tracer.start_as_current_span("draft"):
+            plan.ctx = ctx = self._context(req, run.prompt, run.generated, size_hint=self.builder.max_nodes)
+            proposals, plan.proposed, failed = self._proposals(ctx, active, spec.source_caps)
+            # The bonus token always comes on top, and positions must stay inside the context.
+            max_depth = min(remaining - 1, self.target.max_context - cache_len - 2)
+            candidate = None
+            try:
+                if isinstance(self.builder, CostAwareTreeBuilder):
+                    candidate = self.builder.candidates(proposals, ctx, max_depth)
+                else:
+                    plan.tree = self.builder.build(proposals, ctx).truncate_depth(max_depth)
+            except Exception:  # a bad draft must only cost speed: this step decodes one token
+                log.exception("tree builder failed on %d proposals from %s; this step drafts nothing",
+                              len(proposals), ", ".join(sorted(plan.proposed)) or "no source")
+                failed.extend(sorted(plan.proposed))
+            plan.failed = tuple(failed)
+        plan.draft_s = time.perf_counter() - t0
+        return candidate
 
-                new = [tree.tokens[a] for a in verdict.accepted] + [verdict.next_token]
-                taken = 0
-                for tok in new:
-                    generated.append(tok)
-                    taken += 1
-                    if tok in target.eos_token_ids:
-                        finish = "eos"
-                        break
-                    if len(generated) >= req.max_new_tokens:
-                        finish = "length"
-                        break
-                delta, cut = text.update(generated, len(generated) - taken)
-                if cut is not None:
-                    taken -= len(generated) - cut
-                    del generated[cut:]
-                    finish = "stop"
-                accepted_by_source: dict[str, int] = {}
-                for a in verdict.accepted[: min(taken, len(verdict.accepted))]:
-                    for src in tree.sources[a]:
-                        accepted_by_source[src] = accepted_by_source.get(src, 0) + 1
-                nodes_by_source: dict[str, int] = {}
-                for srcs in tree.sources:
-                    for src in srcs:
-                        nodes_by_source[src] = nodes_by_source.get(src, 0) + 1
-                record = StepRecord(
-                    tree_size=len(tree),
-                    accepted=len(verdict.accepted),
-                    emitted=taken,
-                    draft_s=t1 - t0,
-                    verify_s=t2 - t1,
-                    proposed_by_source=proposed,
-                    nodes_by_source=nodes_by_source,
-                    accepted_by_source=accepted_by_source,
-                    failed_sources=failed,
-                    lenient=min(verdict.lenient, taken),
-                )
-                lenient_total += record.lenient
-                steps.append(record)
-                if not first_token_s:
-                    first_token_s = time.perf_counter() - t_start
-                if step_span.is_recording():
-                    _describe_step(step_span, len(steps), record)
-            pending = generated[-1] if generated else pending
-            yield StepEvent(tuple(generated[len(generated) - taken :]), delta, record)
-        # Only a request that ran to its end puts its cache back: after an exception or a
-        # close (cancel) the state may be half-updated, and dropping it is always safe.
-        if pool is not None:
-            pool.checkin(req.session_id, cached, state)
-        final_text = text.final(generated)
-        result = GenerationResult(
-            token_ids=tuple(generated),
-            text=final_text,
-            finish_reason=finish,
-            prompt_tokens=len(prompt),
-            steps=tuple(steps),
-            seconds=time.perf_counter() - t_start,
-            first_token_s=first_token_s,
-            policy=policy.name,
-            lossless=policy.lossless,
-            lenient_tokens=lenient_total,
-            reused_tokens=reused,
-        )
-        self.builder.finish(req.request_id)
-        self._finish_sources(req, prompt, generated, final_text)
-        yield result
+    def prepare_verify(self, run: RequestRun) -> None:
+        """Check the chosen tree and start the fact-check flag lookup (lossy policies only): a
+        Redis round trip that runs while the target computes the batch."""
+        plan = run.plan
+        if plan is None or not plan.decode:
+            return
+        plan.tree.validate(self.target.vocab_size)
+        if self.flag_provider is not None and not run.policy.lossless and plan.ctx is not None and len(plan.tree):
+            plan.flags = self._flag_thread().submit(tracing.in_context(self._flags), plan.ctx, plan.tree)
+
+    def observe_step(self, run: RequestRun, plan: StepPlan, batch_size: int, forward_start_ns: int) -> None:
+        """Learn from the step's verdict and close its span (with a ``verify`` span from the batch's
+        forward to the request's commit)."""
+        self.builder.observe(plan.tree, run.verdict, plan.ctx)
+        span = plan.span
+        if span.is_recording():
+            verify = self._tracer.start_span("verify", context=trace.set_span_in_context(span), start_time=forward_start_ns,
+                                             attributes={"draftmesh.tree_size": len(plan.tree), "draftmesh.batch_size": batch_size,
+                                                         "draftmesh.accepted": run.steps[-1].accepted})
+            verify.end()
+            span.set_attribute("draftmesh.batch_size", batch_size)
+            _describe_step(span, len(run.steps), run.steps[-1])
+        span.end()
+
+    def trace_prefill(self, run: RequestRun, *, done: bool) -> None:
+        """The request's ``prefill`` span: opened when it joins the batch, closed when its prompt is
+        cached (it may take several chunked steps)."""
+        if run.prefill_span is None:
+            run.prefill_span = self._tracer.start_span("prefill", context=trace.set_span_in_context(run.span), attributes={
+                "draftmesh.tokens": run.to_prefill, "draftmesh.reused_tokens": run.reused})
+        if done and run.prefill_span.is_recording():
+            run.prefill_span.end()
+            run.prefill_span = trace.INVALID_SPAN
 
     def _context(self, req: GenerationRequest, prompt: list[int], generated: list[int], size_hint: int) -> DraftContext:
         if req.speculation.max_nodes is not None:
@@ -303,14 +301,9 @@ class SpeculativeDecoder:
             options["max_nodes"] = req.speculation.max_nodes
         return options
 
-    def _draft(
-        self,
-        ctx: DraftContext,
-        sources: Sequence[DraftSource],
-        caps: Mapping[str, int],
-        cache_len: int,
-        remaining: int,
-    ) -> tuple[TokenTree, dict[str, int], tuple[str, ...]]:
+    def _proposals(
+        self, ctx: DraftContext, sources: Sequence[DraftSource], caps: Mapping[str, int]
+    ) -> tuple[list[Proposal], dict[str, int], list[str]]:
         proposals: list[Proposal] = []
         proposed: dict[str, int] = {}
         answers = self.caller.call(sources, ctx)
@@ -329,18 +322,7 @@ class SpeculativeDecoder:
                 valid = _capped(valid, caps[source.name])
             proposals.extend(valid)
             proposed[source.name] = proposed.get(source.name, 0) + len(valid)
-        try:
-            tree = self.builder.build(proposals, ctx)
-        except Exception:  # a bad draft must only cost speed: this step decodes one token
-            log.exception("tree builder failed on %d proposals from %s; this step drafts nothing",
-                          len(proposals), ", ".join(sorted(proposed)) or "no source")
-            tree = TokenTree()
-            failed.extend(sorted(proposed))
-        # The bonus token always comes on top, and positions must stay inside the context.
-        max_depth = min(remaining - 1, self.target.max_context - cache_len - 2)
-        tree = tree.truncate_depth(max_depth)
-        tree.validate(self.target.vocab_size)
-        return tree, proposed, tuple(failed)
+        return proposals, proposed, failed
 
     def close(self) -> None:
         """Release the threads that ask sources and look up flags (a decoder being replaced)."""

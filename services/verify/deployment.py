@@ -51,9 +51,9 @@ class VerifierPool:
         self._cfg, self._target, self._handles = cfg, target, draft_handles
         context = serve.get_replica_context()
         name = f"{socket.gethostname()}/{context.replica_id.unique_id if context else os.getpid()}"
+        self._metrics = VerifierMetrics(RayMetrics(), name)
         self.replica = VerifierReplica(self._new_decoder(), name=name, factcheck_link=self._factcheck_link,
-                                       factcheck_wait_s=cfg.factcheck.wait_ms / 1000,
-                                       metrics=VerifierMetrics(RayMetrics(), name))
+                                       factcheck_wait_s=cfg.factcheck.wait_ms / 1000, metrics=self._metrics)
         sources = ", ".join(s.name for s in self.replica.decoder.sources)
         log.info("verifier replica %s ready: model %s, sources %s", name, cfg.engine.model, sources)
 
@@ -62,7 +62,8 @@ class VerifierPool:
         pool = SessionKVPool(max_sessions=cfg.serve.session_cache_size) if cfg.serve.session_cache_size else None
         extra = remote_sources(cfg, self._handles, cfg.engine.model)
         self._factcheck_link = self._new_factcheck_link() if cfg.factcheck.enabled else None
-        return decoder_from_config(self._target, cfg, extra_sources=extra, kv_pool=pool, flag_provider=self._factcheck_link)
+        return decoder_from_config(self._target, cfg, extra_sources=extra, kv_pool=pool, flag_provider=self._factcheck_link,
+                                   batch_observer=getattr(self, "_metrics", None))
 
     def _new_factcheck_link(self) -> FactCheckLink:
         client = FactCheckClient(self._cfg.serve.redis_url, self._cfg.factcheck_config())

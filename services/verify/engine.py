@@ -13,6 +13,7 @@ from draftmesh.draft.base import DraftSource
 from draftmesh.draft.grpc_source import GrpcDraftSource
 from draftmesh.draft.remote import ServeHandleSource
 from draftmesh.verify.decoder import FlagProvider, SpeculativeDecoder
+from draftmesh.verify.scheduler import BatchLimits
 from draftmesh.verify.session_kv import SessionKVPool
 from draftmesh.verify.tree_builder import CostAwareTreeBuilder, default_aligner
 
@@ -30,6 +31,8 @@ def build_decoder(
     kv_pool: SessionKVPool | None = None,
     flag_provider: FlagProvider | None = None,
     trace_steps: int = 256,
+    batch_limits: BatchLimits | None = None,
+    batch_observer=None,
 ) -> SpeculativeDecoder:
     """``sources=None`` means the default set; an empty list means plain decoding.
 
@@ -48,12 +51,15 @@ def build_decoder(
     built = [registry.create(name, env, **dict(options.get(name, {}))) for name in names] + list(extra_sources)
     if built and not target.cost_curve:
         target.measure_cost_curve()
+    if built and not target.batch_cost:
+        target.measure_batch_cost()
     config = builder_config or BuilderConfig()
     if max_nodes is not None:
         config = dataclasses.replace(config, max_nodes=max_nodes)
     builder = CostAwareTreeBuilder(target.cost_curve or {1: 1.0}, config, aligner=default_aligner(target.tokenizer))
     return SpeculativeDecoder(target, built, builder, flag_provider=flag_provider,
-                              source_deadline_s=source_deadline_s, kv_pool=kv_pool, trace_steps=trace_steps)
+                              source_deadline_s=source_deadline_s, kv_pool=kv_pool, trace_steps=trace_steps,
+                              batch_limits=batch_limits, batch_observer=batch_observer)
 
 
 def load_target(cfg: EngineConfig) -> TorchTarget:
@@ -69,8 +75,9 @@ def decoder_from_config(
     extra_sources: Sequence[DraftSource] = (),
     kv_pool: SessionKVPool | None = None,
     flag_provider: FlagProvider | None = None,
+    batch_observer=None,
 ) -> SpeculativeDecoder:
-    """``build_decoder`` with the config's sources, their options and deadline, its builder and Redis."""
+    """``build_decoder`` with the config's sources, their options and deadline, its builder, Redis and batch limits."""
     return build_decoder(
         target,
         cfg.sources.names,
@@ -82,7 +89,15 @@ def decoder_from_config(
         kv_pool=kv_pool,
         flag_provider=flag_provider,
         trace_steps=cfg.engine.trace_steps,
+        batch_limits=batch_limits(cfg.engine),
+        batch_observer=batch_observer,
     )
+
+
+def batch_limits(cfg: EngineConfig) -> BatchLimits:
+    """The replica's batch: KV budget, tokens per forward, prefill chunk, rows, queue."""
+    return BatchLimits(kv_budget_bytes=cfg.kv_budget_bytes, max_batch_tokens=cfg.max_batch_tokens,
+                       prefill_chunk=cfg.prefill_chunk, max_rows=cfg.max_batch_rows, max_waiting=cfg.max_waiting)
 
 
 def remote_sources(cfg: DraftmeshConfig, handles: Mapping[str, Any], tokenizer_name: str) -> list[DraftSource]:

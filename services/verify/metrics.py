@@ -8,6 +8,7 @@ from __future__ import annotations
 
 from draftmesh.io_struct import StepRecord
 from draftmesh.metrics import (
+    BATCH_ROWS_BUCKETS,
     LATENCY_BUCKETS_S,
     TOKENS_PER_STEP_BUCKETS,
     TREE_SIZE_BUCKETS,
@@ -35,7 +36,28 @@ class VerifierMetrics:
         self.source_failures = backend.counter("draftmesh_source_failed_steps", "steps a source failed, timed out or was busy",
                                                ("replica", "source"))
         self.active = backend.gauge("draftmesh_verifier_active_requests",
-                                    "requests on the replica (decoding or waiting for the step lock): its queue depth", ("replica",))
+                                    "requests on the replica (in the batch or waiting for room in it)", ("replica",))
+
+        self.batch_rows = backend.histogram("draftmesh_batch_rows", "requests in one batched target forward",
+                                            BATCH_ROWS_BUCKETS, ("replica",))
+        self.batch_tokens = backend.histogram("draftmesh_batch_tokens", "tokens in one batched target forward "
+                                              "(roots, trees and prefill chunks)", TREE_SIZE_BUCKETS, ("replica",))
+        self.batch_speculating = backend.counter("draftmesh_batch_speculating_rows",
+                                                 "rows of batched forwards that verified a draft tree", ("replica",))
+        self.batch_forward_rows = backend.counter("draftmesh_batch_forward_rows", "rows of batched forwards", ("replica",))
+        self.queued = backend.gauge("draftmesh_verifier_queued_requests",
+                                    "requests waiting for room in the batch (KV budget, rows)", ("replica",))
+        self.kv_bytes = backend.gauge("draftmesh_verifier_kv_bytes", "bytes of the batch's KV slab", ("replica",))
+
+    def batch(self, *, rows: int, tokens: int, queued: int, kv_bytes: int, speculating: int) -> None:
+        tags = self.tags
+        self.batch_rows.observe(rows, tags)
+        self.batch_tokens.observe(tokens, tags)
+        self.batch_forward_rows.inc(rows, tags)
+        if speculating:
+            self.batch_speculating.inc(speculating, tags)
+        self.queued.set(queued, tags)
+        self.kv_bytes.set(kv_bytes, tags)
 
     def step(self, record: StepRecord) -> None:
         tags = self.tags

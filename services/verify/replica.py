@@ -1,10 +1,11 @@
 """What one verifier replica does with its requests, without Ray.
 
 Each request's decode loop runs on its own thread so the replica's event loop stays free
-to stream results and notice cancellations; a replica-wide lock lets exactly one step
-(draft + one tree forward) run at a time, so concurrent requests interleave step by step
-instead of fighting over the CPU/GPU. A cancelled request (client gone, deadline passed)
-stops before its next step, i.e. it stops using the target within one step.
+to stream results and notice cancellations; the requests share one batch (the decoder's
+``BatchScheduler``): every step is one forward over all of them, run by whichever request
+thread finds the step free. A cancelled request (client gone, deadline passed) leaves the
+batch within one step. The fact-check of a finished output runs on the request's thread,
+never inside a step.
 """
 
 from __future__ import annotations
@@ -31,6 +32,7 @@ from draftmesh.prompts import encode_messages, encode_prompt
 from draftmesh.verify.decoder import SpeculativeDecoder
 from draftmesh.verify.factcheck_link import FactCheckLink
 from draftmesh.verify.metrics import VerifierMetrics
+from draftmesh.verify.scheduler import Busy
 
 log = logging.getLogger(__name__)
 
@@ -63,7 +65,6 @@ class VerifierReplica:
         """Annotates outputs; the decoder's flag provider is the same link (set by the deployment)."""
         self.factcheck_wait_s = factcheck_wait_s
         self.metrics = metrics
-        self._step_lock = threading.Lock()
         self._stats = ReplicaStats()
         self._stats_lock = threading.Lock()
 
@@ -102,17 +103,14 @@ class VerifierReplica:
             otel_context.attach(parent)  # this thread's own context: the router's span is the parent
             events = self.decoder.stream(gen_req)
             try:
-                while not cancel.is_set():
-                    with self._step_lock:
-                        if cancel.is_set():
-                            break
-                        try:
-                            event = next(events)
-                        except StopIteration:
-                            break
-                    if isinstance(event, GenerationResult):  # outside the step lock: others go on
+                for event in events:
+                    if cancel.is_set():
+                        break
+                    if isinstance(event, GenerationResult):  # outside any step: the others go on
                         event = ServedResult(event, self.name, self._annotate(req, gen_req.request_id, event))
                     post(event)
+            except Busy as exc:  # the replica's KV budget or queue: RESOURCE_EXHAUSTED, not the caller's fault
+                post(Rejected(str(exc), reason="busy"))
             except BaseException as exc:  # reported to the awaiting coroutine, never lost
                 post(exc)
             finally:
@@ -133,6 +131,10 @@ class VerifierReplica:
                 if isinstance(item, BaseException):
                     outcome = "failed"
                     raise item
+                if isinstance(item, Rejected):
+                    outcome = "rejected"
+                    yield item
+                    continue
                 if isinstance(item, StepEvent):
                     self._count(steps=1, tokens=len(item.token_ids))
                     if self.metrics is not None:
@@ -170,6 +172,7 @@ class VerifierReplica:
             out = asdict(self._stats)
         if self.decoder.kv_pool is not None:
             out["kv_pool"] = self.decoder.kv_pool.stats()
+        out["batch"] = self.decoder.batch_stats()
         if self.factcheck_link is not None:
             out["factcheck"] = self.factcheck_link.stats()
         out["replica"] = self.name

@@ -67,6 +67,15 @@ class SessionKVPool:
                 self._tokens -= len(ids)
                 self._evictions += 1
 
+    def shrink_to(self, max_tokens: int) -> None:
+        """Evict least recently used sessions until at most ``max_tokens`` are pooled (the
+        batch's KV budget needs the room for active requests)."""
+        with self._lock:
+            while self._entries and self._tokens > max_tokens:
+                _, (ids, _) = self._entries.popitem(last=False)
+                self._tokens -= len(ids)
+                self._evictions += 1
+
     def __len__(self) -> int:
         with self._lock:
             return len(self._entries)

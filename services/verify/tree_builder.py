@@ -62,6 +62,92 @@ class CostModel:
         return c0 + (k - k0) * (c1 - c0) / (k1 - k0)
 
 
+class BatchCost:
+    """Time of one batched forward relative to a batch-1 one-token step, by rows and total tokens.
+
+    Rows 1 is the single-request cost curve; other row counts come from the batched warm-up
+    (``TorchTarget.measure_batch_cost``), interpolated over tokens within a row count and
+    linearly between the measured row counts (beyond the largest, scaled by rows)."""
+
+    def __init__(self, single: CostModel, batched: Mapping[int, Mapping[int, float]] | None = None) -> None:
+        self.models: dict[int, CostModel] = {1: single}
+        for rows, curve in (batched or {}).items():
+            if rows > 1 and curve:
+                # a batch of r rows holds at least r tokens: extend down to k = 1 for the interpolation
+                self.models[rows] = CostModel({1: min(curve.values()), **curve})
+        self.rows = sorted(self.models)
+
+    def __call__(self, rows: int, tokens: int) -> float:
+        rows = max(1, rows)
+        tokens = max(tokens, rows)
+        i = bisect.bisect_left(self.rows, rows)
+        if i < len(self.rows) and self.rows[i] == rows:
+            return self.models[rows](tokens)
+        if i == len(self.rows):
+            top = self.rows[-1]
+            return self.models[top](max(1, round(tokens * top / rows))) * rows / top
+        r0, r1 = self.rows[i - 1], self.rows[i]
+        c0, c1 = self.models[r0](tokens), self.models[r1](tokens)
+        return c0 + (rows - r0) * (c1 - c0) / (r1 - r0)
+
+
+@dataclass
+class ScoredTree:
+    """One request's candidate nodes for a step and each one's estimated acceptance."""
+
+    tree: TokenTree
+    scores: list[float]
+    confidences: list[dict[str, float]]
+    cap: int
+    """The request's own node cap (``max_nodes``): the batch budget never gives it more."""
+
+    def select(self, keep: Sequence[int]) -> TokenTree:
+        if not keep:
+            return TokenTree()
+        # Selecting nodes by score looks at sampled tokens' values: keep only deterministic draws.
+        out = self.tree.subtree(keep).strip_q()
+        out.source_scores = [self.confidences[i] for i in sorted(keep)]
+        return out
+
+
+def choose_nodes(
+    candidates: Sequence[ScoredTree | None], cost: BatchCost, *, rows: int, base_tokens: int, min_gain: float,
+    max_tokens: int | None = None,
+) -> list[list[int]]:
+    """The nodes to verify, per candidate, for the whole batch's forward.
+
+    Nodes of every request compete by score (a child never scores above its parent, so any
+    prefix of the order is ancestor-closed); the prefix kept maximizes expected committed
+    tokens of the batch per unit of step time: ``(rows + sum of kept scores) / cost(rows,
+    base_tokens + kept)``, where ``base_tokens`` is what the step holds anyway (every
+    request's root, prefill chunks, fixed trees). Nothing is kept unless that beats a plain
+    step by ``min_gain``. At batch 1 this is the single-request builder's rule; as the batch
+    grows each node must pay for a larger forward, so trees shrink, then vanish.
+    """
+    pool = []
+    for c, cand in enumerate(candidates):
+        if cand is None:
+            continue
+        order = sorted(range(len(cand.scores)), key=lambda i: (-cand.scores[i], i))[: cand.cap]
+        pool.extend((cand.scores[i], c, i) for i in order)
+    pool.sort(key=lambda x: (-x[0], x[1], x[2]))
+    if max_tokens is not None:
+        pool = pool[: max(0, max_tokens - base_tokens)]
+    plain = rows / cost(rows, base_tokens)
+    best_k, best_rate, expected = 0, plain, float(rows)
+    for k, (score, _, _) in enumerate(pool, start=1):
+        expected += score
+        rate = expected / cost(rows, base_tokens + k)
+        if rate > best_rate:
+            best_k, best_rate = k, rate
+    keep: list[list[int]] = [[] for _ in candidates]
+    if best_rate < min_gain * plain:
+        return keep
+    for _, c, i in pool[:best_k]:
+        keep[c].append(i)
+    return keep
+
+
 class AcceptanceStats:
     """Per source, depth and confidence bin: how often a node is accepted when its parent was.
 
@@ -200,24 +286,36 @@ class CostAwareTreeBuilder:
         return self.config.max_nodes
 
     # ------------------------------------------------------------------ building
-    def build(self, proposals: Sequence[Proposal], ctx: DraftContext) -> TokenTree:
+    def build(self, proposals: Sequence[Proposal], ctx: DraftContext, max_depth: int | None = None) -> TokenTree:
+        """One request's tree on its own (batch 1): its candidate nodes, sized by the cost curve."""
+        candidate = self.candidates(proposals, ctx, max_depth)
+        if candidate is None:
+            return TokenTree()
+        return candidate.select(choose_nodes([candidate], BatchCost(self.cost), rows=1, base_tokens=1,
+                                             min_gain=self.config.min_gain)[0])
+
+    def candidates(
+        self, proposals: Sequence[Proposal], ctx: DraftContext, max_depth: int | None = None
+    ) -> "ScoredTree | None":
+        """Every node the proposals make (deeper than ``max_depth`` dropped), each with its estimated
+        acceptance; None when the request drafts nothing this step (a cool-down, no proposal, cap 0).
+        The batch's budget (``choose_nodes``) then decides which nodes are verified."""
         state = self._state(ctx.request_id)
         cap = min(self.config.max_nodes, int(ctx.options.get("max_nodes", self.config.max_nodes)))
         if state.cooldown > 0:
             state.cooldown -= 1
-            return TokenTree()
+            return None
         sequences = proposal_sequences(proposals, ctx, self.aligner, max_nodes=cap)
         if not sequences or cap == 0:
-            return TokenTree()
+            return None
         full = TokenTree.from_sequences(sequences)
         conf = self._confidences(full, sequences)
-        keep = self._choose(self._scores(full, conf), cap)
-        if not keep:
-            return TokenTree()
-        # Selecting nodes by score looks at sampled tokens' values: keep only deterministic draws.
-        tree = full.subtree(keep).strip_q()
-        tree.source_scores = [conf[i] for i in sorted(keep)]
-        return tree
+        if max_depth is not None and full.max_depth > max_depth:
+            keep = [i for i, d in enumerate(full.depths) if d <= max_depth]
+            if not keep:
+                return None
+            full, conf = full.subtree(keep), [conf[i] for i in keep]
+        return ScoredTree(full, self._scores(full, conf), conf, cap)
 
     def _scores(self, tree: TokenTree, conf: Sequence[Mapping[str, float]]) -> list[float]:
         """P(node accepted) = P(parent accepted) * P(node | parent), siblings capped at 1.
@@ -252,19 +350,6 @@ class CostAwareTreeBuilder:
                 c = float(seq.probs[j]) if seq.probs else 1.0
                 conf[node][seq.source] = max(conf[node].get(seq.source, 0.0), c)
         return conf
-
-    def _choose(self, scores: list[float], cap: int) -> list[int]:
-        """The prefix of nodes by score that maximizes (1 + expected accepted) / cost."""
-        order = sorted(range(len(scores)), key=lambda i: (-scores[i], i))[:cap]
-        best_k, best_rate, expected = 0, 1.0 / self.cost(1), 1.0
-        for k, node in enumerate(order, start=1):
-            expected += scores[node]
-            rate = expected / self.cost(k + 1)
-            if rate > best_rate:
-                best_k, best_rate = k, rate
-        if best_rate < self.config.min_gain / self.cost(1):
-            return []
-        return order[:best_k]
 
     # ------------------------------------------------------------------ learning
     def observe(self, tree: TokenTree, verdict: Verdict, ctx: DraftContext | None = None) -> None:

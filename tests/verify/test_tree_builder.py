@@ -9,7 +9,15 @@ import pytest
 from draftmesh.draft.base import DraftContext, Proposal
 from draftmesh.tree import DraftSequence, TokenTree
 from draftmesh.verify.acceptance import Verdict
-from draftmesh.verify.tree_builder import AcceptanceStats, BuilderConfig, CostAwareTreeBuilder, CostModel
+from draftmesh.verify.tree_builder import (
+    AcceptanceStats,
+    BatchCost,
+    BuilderConfig,
+    CostAwareTreeBuilder,
+    CostModel,
+    ScoredTree,
+    choose_nodes,
+)
 
 CURVE = {1: 1.0, 2: 1.1, 4: 1.4, 8: 1.8, 16: 2.1, 32: 2.6, 64: 3.7}
 
@@ -37,7 +45,9 @@ def test_budget_maximizes_expected_tokens_per_unit_of_verify_time():
     builder = CostAwareTreeBuilder(CURVE)
     for _ in range(50):
         scores = sorted((rng.random() for _ in range(rng.randint(1, 40))), reverse=True)
-        chosen = builder._choose(list(scores), cap=64)
+        chain = TokenTree.from_sequences([DraftSequence(tuple(range(len(scores))), "s")])
+        chosen = choose_nodes([ScoredTree(chain, list(scores), [{} for _ in scores], 64)], BatchCost(CostModel(CURVE)),
+                              rows=1, base_tokens=1, min_gain=builder.config.min_gain)[0]
         cost = CostModel(CURVE)
         rates = [(1 + sum(scores[:k])) / cost(k + 1) for k in range(len(scores) + 1)]
         best = max(range(len(rates)), key=lambda k: (rates[k], -k))

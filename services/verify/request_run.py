@@ -1,0 +1,159 @@
+"""One request's decode state inside the batch: its row of the KV slab, its prompt still to
+prefill, its sampling RNG, text stream and step records.
+
+The scheduler drives it in phases each step: ``row_input`` (a prefill chunk, or the pending
+root and this step's tree), then ``complete`` with the row's logits: accept under the
+request's own policy, commit the accepted path's KV, emit tokens, stop on EOS / stop string
+/ length. Drafting is the decoder's (``SpeculativeDecoder.draft_candidates``); which nodes
+are verified is the batch budget's.
+"""
+
+from __future__ import annotations
+
+import time
+from concurrent.futures import Future
+from dataclasses import dataclass, field
+from typing import Any
+
+from opentelemetry import trace
+
+from draftmesh.batch_kv import RowInput, SlotKVCache
+from draftmesh.io_struct import FinishReason, GenerationRequest, GenerationResult, StepEvent, StepRecord
+from draftmesh.tree import TokenTree
+from draftmesh.verify.policy import AcceptancePolicy
+from draftmesh.verify.text_stream import TextStream
+
+
+@dataclass
+class StepPlan:
+    """What a request brings to one step."""
+
+    chunk: list[int]
+    """Prompt tokens to prefill first (possibly empty)."""
+    decode: bool
+    """Whether the pending root follows (the step emits tokens for this request)."""
+    tree: TokenTree = field(default_factory=TokenTree)
+    proposed: dict[str, int] = field(default_factory=dict)
+    failed: tuple[str, ...] = ()
+    ctx: Any = None
+    draft_s: float = 0.0
+    flags: Future | None = None
+    span: trace.Span = trace.INVALID_SPAN
+
+
+class RequestRun:
+    def __init__(self, req: GenerationRequest, policy: AcceptancePolicy, tokenizer, eos_ids, span: trace.Span) -> None:
+        self.req = req
+        self.policy = policy
+        self.span = span
+        self.t_start = time.perf_counter()
+        self.prompt = list(req.prompt_ids)
+        self.row: int | None = None
+        self.cached: list[int] = []
+        """Ids whose KV the row holds (a stop-string cut drops emitted tokens whose KV stays)."""
+        self.reused = 0
+        self.pending = self.prompt[-1]
+        self.generator = None if req.sampling.greedy else req.sampling.generator()
+        self.text = TextStream(tokenizer, req.stop)
+        self.eos_ids = eos_ids
+        self.generated: list[int] = []
+        self.steps: list[StepRecord] = []
+        self.lenient_total = 0
+        self.first_token_s = 0.0
+        self.finish: FinishReason | None = None
+        self.result: GenerationResult | None = None
+        self.plan: StepPlan | None = None
+        self.prefill_span: trace.Span | None = None
+
+    # ------------------------------------------------------------------ phases
+    @property
+    def to_prefill(self) -> int:
+        """Prompt tokens not yet in the cache (the last prompt token is the first root, never prefilled)."""
+        return max(0, len(self.prompt) - 1 - len(self.cached))
+
+    def attach(self, row: int, cached: list[int]) -> None:
+        self.row, self.cached, self.reused = row, list(cached), len(cached)
+
+    def row_input(self) -> RowInput:
+        plan = self.plan
+        assert plan is not None and self.row is not None
+        tokens = list(plan.chunk)
+        parents = list(range(-1, len(tokens) - 1))
+        if plan.decode:
+            root = len(tokens)
+            tokens.append(self.pending)
+            parents.append(root - 1)
+            tokens.extend(plan.tree.tokens)
+            parents.extend(root + 1 + p if p >= 0 else root for p in plan.tree.parents)
+            return RowInput(self.row, tokens, parents, logits_from=root)
+        return RowInput(self.row, tokens, parents, logits_from=len(tokens))
+
+    def complete(self, kv: SlotKVCache, base: int, logits, verify_s: float) -> StepEvent | None:
+        """Accept, commit and emit after the batch's forward; None for a pure prefill chunk."""
+        plan = self.plan
+        assert plan is not None and self.row is not None
+        self.plan = None
+        c = len(plan.chunk)
+        if not plan.decode:
+            kv.commit(self.row, base, range(c))
+            self.cached += plan.chunk
+            return None
+        tree, req = plan.tree, self.req
+        flagged = plan.flags.result() if plan.flags is not None else frozenset()
+        verdict = self.policy.verify(tree, logits, req.sampling, self.generator, flagged)
+        kv.commit(self.row, base, [*range(c), c, *(c + 1 + a for a in verdict.accepted)])
+        self.cached += plan.chunk + [self.pending] + [tree.tokens[a] for a in verdict.accepted]
+        self.verdict = verdict
+        new = [tree.tokens[a] for a in verdict.accepted] + [verdict.next_token]
+        taken = 0
+        for tok in new:
+            self.generated.append(tok)
+            taken += 1
+            if tok in self.eos_ids:
+                self.finish = "eos"
+                break
+            if len(self.generated) >= req.max_new_tokens:
+                self.finish = "length"
+                break
+        delta, cut = self.text.update(self.generated, len(self.generated) - taken)
+        if cut is not None:
+            taken -= len(self.generated) - cut
+            del self.generated[cut:]
+            self.finish = "stop"
+        accepted_by_source: dict[str, int] = {}
+        for a in verdict.accepted[: min(taken, len(verdict.accepted))]:
+            for src in tree.sources[a]:
+                accepted_by_source[src] = accepted_by_source.get(src, 0) + 1
+        nodes_by_source: dict[str, int] = {}
+        for srcs in tree.sources:
+            for src in srcs:
+                nodes_by_source[src] = nodes_by_source.get(src, 0) + 1
+        record = StepRecord(
+            tree_size=len(tree), accepted=len(verdict.accepted), emitted=taken, draft_s=plan.draft_s,
+            verify_s=verify_s, proposed_by_source=plan.proposed, nodes_by_source=nodes_by_source,
+            accepted_by_source=accepted_by_source, failed_sources=plan.failed, lenient=min(verdict.lenient, taken),
+        )
+        self.lenient_total += record.lenient
+        self.steps.append(record)
+        if not self.first_token_s:
+            self.first_token_s = time.perf_counter() - self.t_start
+        if self.generated:
+            self.pending = self.generated[-1]
+        return StepEvent(tuple(self.generated[len(self.generated) - taken :]), delta, record)
+
+    def final_result(self) -> GenerationResult:
+        assert self.finish is not None
+        self.result = GenerationResult(
+            token_ids=tuple(self.generated),
+            text=self.text.final(self.generated),
+            finish_reason=self.finish,
+            prompt_tokens=len(self.prompt),
+            steps=tuple(self.steps),
+            seconds=time.perf_counter() - self.t_start,
+            first_token_s=self.first_token_s,
+            policy=self.policy.name,
+            lossless=self.policy.lossless,
+            lenient_tokens=self.lenient_total,
+            reused_tokens=self.reused,
+        )
+        return self.result

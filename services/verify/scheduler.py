@@ -1,0 +1,341 @@
+"""Continuous batching: every active request of a replica in one target forward per step.
+
+Each step the scheduler (1) drops cancelled requests and admits waiting ones in arrival
+order while the KV budget allows, (2) gives prefilling requests chunks of their prompt
+(bounded tokens per forward, so a long prompt never stalls the others' decoding), (3) asks
+each decoding request's sources and builds its candidate tree, (4) picks the batch's nodes
+with one budget (``choose_nodes``: expected committed tokens of the whole batch per unit of
+the batched forward's measured cost), (5) runs one forward over every row, (6) lets each
+request accept under its own policy and RNG, commit its KV and emit. Requests join and
+leave between steps.
+
+No thread of its own: whichever waiting caller finds the step lock free runs the next step
+for everyone (``next_event``), so in-process callers and the replica's request threads share
+one loop; a cancel waits for at most the running step, then frees the row.
+
+KV memory: one slab (``SlotKVCache``) bounded, together with the session pool's caches, by
+``kv_budget_bytes``. A request reserves a row of ``prompt + max_new_tokens + tree`` tokens; it
+waits (bounded queue, first come first served) until that fits, and is refused at once with
+``Busy`` when it could never fit or the queue is full.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+import time
+from collections import deque
+from dataclasses import dataclass, field
+from typing import Any
+
+from opentelemetry import trace
+
+from draftmesh.backend import KVState
+from draftmesh.batch_kv import SlotKVCache
+from draftmesh.io_struct import GenerationRequest, GenerationResult, StepEvent
+from draftmesh.verify.request_run import RequestRun, StepPlan
+from draftmesh.verify.tree_builder import BatchCost, CostAwareTreeBuilder, CostModel, ScoredTree, choose_nodes
+
+log = logging.getLogger(__name__)
+
+
+class Busy(Exception):
+    """The replica cannot take the request now (KV budget or queue): RESOURCE_EXHAUSTED."""
+
+
+@dataclass(frozen=True)
+class BatchLimits:
+    kv_budget_bytes: int = 2 << 30
+    max_batch_tokens: int = 512
+    """Tokens per forward (roots, trees and prefill chunks together)."""
+    prefill_chunk: int = 256
+    """At most this many prompt tokens of one request per step."""
+    min_prefill_tokens: int = 32
+    """Prefill always advances by at least this many tokens a step, however busy decoding is."""
+    max_rows: int = 32
+    max_waiting: int = 256
+
+
+@dataclass
+class Ticket:
+    """A caller's handle on its request: the events the steps produced for it."""
+
+    run: RequestRun
+    events: deque = field(default_factory=deque)
+    done: bool = False
+    error: BaseException | None = None
+    cancelled: bool = False
+    enqueued_at: float = field(default_factory=time.perf_counter)
+    admitted_at: float | None = None
+
+
+@dataclass
+class SchedulerStats:
+    steps: int = 0
+    forward_tokens: int = 0
+    forward_rows: int = 0
+    drafted_rows: int = 0
+    admitted: int = 0
+    finished: int = 0
+    cancelled: int = 0
+    refused: int = 0
+    wait_s_total: float = 0.0
+    max_rows_seen: int = 0
+
+
+class BatchScheduler:
+    """The batch of one decoder (``SpeculativeDecoder``: its target, sources, builder, session pool)."""
+
+    def __init__(self, decoder: Any, limits: BatchLimits | None = None, observer: Any = None) -> None:
+        self.decoder = decoder
+        self.limits = limits or BatchLimits()
+        self.kv: SlotKVCache = decoder.target.new_batch_cache(self.limits.kv_budget_bytes)
+        self.observer = observer
+        """Optional: ``observer.batch(rows=, tokens=, queued=, kv_bytes=, speculating=)`` after each step."""
+        self._waiting: deque[Ticket] = deque()
+        self._active: list[Ticket] = []
+        self._lock = threading.Lock()  # the queues
+        self._step_lock = threading.Lock()  # one step at a time
+        self._progress = threading.Condition(threading.Lock())
+        self.stats = SchedulerStats()
+        self._cost: BatchCost | None = None
+
+    # ------------------------------------------------------------------ callers
+    def submit(self, run: RequestRun) -> Ticket:
+        need = self._row_tokens(run.req)
+        if self.kv.bytes_for(1, need) > self.limits.kv_budget_bytes:
+            self.stats.refused += 1
+            raise Busy(f"the request needs {need} tokens of KV ({need * self.kv.bytes_per_token} bytes), over the "
+                       f"replica's budget of {self.limits.kv_budget_bytes} bytes (engine.kv_budget_bytes)")
+        ticket = Ticket(run)
+        with self._lock:
+            if len(self._waiting) >= self.limits.max_waiting:
+                self.stats.refused += 1
+                raise Busy(f"the replica's queue is full ({self.limits.max_waiting} waiting requests)")
+            self._waiting.append(ticket)
+        return ticket
+
+    def next_event(self, ticket: Ticket) -> StepEvent | GenerationResult:
+        """The ticket's next event, running steps (for every request) whenever nobody else is."""
+        while True:
+            if ticket.events:
+                return ticket.events.popleft()
+            if ticket.error is not None:
+                raise ticket.error
+            if ticket.done:
+                raise RuntimeError("no more events: the request has finished")
+            if self._step_lock.acquire(blocking=False):
+                try:
+                    if not ticket.events and ticket.error is None:
+                        self.step()
+                finally:
+                    self._step_lock.release()
+                with self._progress:
+                    self._progress.notify_all()
+            else:
+                with self._progress:
+                    if not ticket.events and ticket.error is None:
+                        self._progress.wait(timeout=0.05)
+
+    def cancel(self, ticket: Ticket) -> None:
+        """Stop the request: at once if it waits, else within the running step; frees its row."""
+        if ticket.done:
+            return
+        ticket.cancelled = True
+        with self._lock:
+            if ticket in self._waiting:
+                self._waiting.remove(ticket)
+                ticket.done = True
+                self.stats.cancelled += 1
+                return
+        with self._step_lock:
+            self._drop_cancelled()
+
+    def active_count(self) -> int:
+        with self._lock:
+            return len(self._active) + len(self._waiting)
+
+    # ------------------------------------------------------------------ the step
+    def step(self) -> bool:
+        """One forward for every active request; False when there was nothing to do."""
+        self._drop_cancelled()
+        self._admit()
+        runs = [t for t in self._active if t.error is None and not t.done]
+        if not runs:
+            return False
+        decoder = self.decoder
+        limits = self.limits
+        decoding = [t for t in runs if t.run.to_prefill == 0]
+        prefilling = [t for t in runs if t.run.to_prefill > 0]
+        base_tokens = len(decoding)
+        left = max(limits.max_batch_tokens - base_tokens, limits.min_prefill_tokens)
+        stepping: list[Ticket] = []
+        to_draft: list[Ticket] = []
+        for t in decoding:
+            t.run.plan = StepPlan(chunk=[], decode=True)
+            to_draft.append(t)
+        for t in prefilling:  # arrival order: the oldest prompt advances first
+            run = t.run
+            n = min(run.to_prefill, left, limits.prefill_chunk)
+            if n <= 0:
+                continue
+            left -= n
+            start = len(run.cached)
+            finishes = n == run.to_prefill
+            run.plan = StepPlan(chunk=run.prompt[start : start + n], decode=finishes)
+            base_tokens += n + (1 if finishes else 0)
+            (to_draft if finishes else stepping).append(t)
+        candidates: list[ScoredTree | None] = []
+        drafted: list[Ticket] = []
+        for t in to_draft:  # the last prefill chunk, the root and a tree can share one forward
+            run = t.run
+            try:
+                cand = decoder.draft_step(run, self.kv.lengths[run.row] + len(run.plan.chunk))
+            except Exception as exc:  # one request's fault: it fails, the batch goes on
+                self._fail(t, exc)
+                continue
+            stepping.append(t)
+            if isinstance(cand, ScoredTree):
+                candidates.append(cand)
+                drafted.append(t)
+            else:
+                base_tokens += len(run.plan.tree)
+        if candidates:
+            keep = choose_nodes(candidates, self._batch_cost(), rows=len(stepping), base_tokens=base_tokens,
+                                min_gain=decoder.builder.config.min_gain, max_tokens=limits.max_batch_tokens)
+            for t, cand, k in zip(drafted, candidates, keep):
+                t.run.plan.tree = cand.select(k)
+        if not stepping:
+            return False
+        for t in stepping:
+            decoder.prepare_verify(t.run)
+        inputs = [t.run.row_input() for t in stepping]
+        bases = [self.kv.lengths[t.run.row] for t in stepping]
+        tokens = sum(len(i.tokens) for i in inputs)
+        t0, t0_ns = time.perf_counter(), time.time_ns()
+        try:
+            logits = decoder.target.forward_batch(self.kv, inputs)
+        except Exception as exc:  # the forward itself failed: every request in it fails, the replica goes on
+            log.exception("batched forward over %d rows (%d tokens) failed", len(inputs), tokens)
+            for t, base in zip(stepping, bases):
+                self.kv.lengths[t.run.row] = base
+                self._fail(t, exc)
+            return True
+        verify_s = time.perf_counter() - t0
+        speculating = sum(1 for t in stepping if t.run.plan is not None and len(t.run.plan.tree))
+        for t, base, lg in zip(stepping, bases, logits):
+            run = t.run
+            plan = run.plan
+            try:
+                event = run.complete(self.kv, base, lg, verify_s)
+                if plan.chunk and run.to_prefill == 0:
+                    decoder.trace_prefill(run, done=True)
+                if event is not None:
+                    decoder.observe_step(run, plan, len(stepping), t0_ns)
+                    t.events.append(event)
+                if run.finish is not None:
+                    self._finish(t)
+            except Exception as exc:
+                plan.span.end()
+                self._fail(t, exc)
+        st = self.stats
+        st.steps += 1
+        st.forward_tokens += tokens
+        st.forward_rows += len(inputs)
+        st.drafted_rows += speculating
+        st.max_rows_seen = max(st.max_rows_seen, len(inputs))
+        if self.observer is not None:
+            self.observer.batch(rows=len(inputs), tokens=tokens, queued=len(self._waiting),
+                                kv_bytes=self.kv.allocated_bytes, speculating=speculating)
+        return True
+
+    # ------------------------------------------------------------------ admission and exits
+    def _row_tokens(self, req: GenerationRequest) -> int:
+        """KV slots a request can need: prompt, output and one step's tree beyond it."""
+        return len(req.prompt_ids) + req.max_new_tokens + self.decoder.builder.max_nodes + 2
+
+    def _pool_bytes(self) -> int:
+        pool = self.decoder.kv_pool
+        return pool.stats()["cached_tokens"] * self.kv.bytes_per_token if pool is not None else 0
+
+    def _admit(self) -> None:
+        kv, limits, pool = self.kv, self.limits, self.decoder.kv_pool
+        while True:
+            with self._lock:
+                if not self._waiting or len(self._active) >= limits.max_rows:
+                    return
+                ticket = self._waiting[0]
+                need = max(kv.token_capacity, self._row_tokens(ticket.run.req))
+                slab = kv.bytes_for(kv.rows + 1, need)
+                if slab + self._pool_bytes() > limits.kv_budget_bytes and pool is not None:
+                    pool.shrink_to(max(0, (limits.kv_budget_bytes - slab) // kv.bytes_per_token))
+                if slab + self._pool_bytes() > limits.kv_budget_bytes:
+                    return  # it waits for a row to end
+                self._waiting.popleft()
+                self._active.append(ticket)
+            run = ticket.run
+            try:
+                kv.ensure(kv.rows + 1, need)
+                row = kv.add_row()
+                cached: list[int] = []
+                if pool is not None and run.req.session_id:
+                    state, cached = pool.checkout(run.req.session_id, run.prompt[:-1])
+                    if cached:
+                        kv.load_row(row, state.cache, state.length)
+                run.attach(row, cached)
+            except Exception as exc:
+                self._fail(ticket, exc)
+                continue
+            self.decoder.trace_prefill(run, done=run.to_prefill == 0)
+            ticket.admitted_at = time.perf_counter()
+            self.stats.admitted += 1
+            self.stats.wait_s_total += ticket.admitted_at - ticket.enqueued_at
+
+    def _drop_cancelled(self) -> None:
+        for t in [t for t in self._active if t.cancelled]:
+            self._release(t)
+            t.done = True
+            self.stats.cancelled += 1
+            self.decoder.builder.finish(t.run.req.request_id)
+
+    def _finish(self, ticket: Ticket) -> None:
+        run = ticket.run
+        pool = self.decoder.kv_pool
+        if pool is not None and run.req.session_id and run.row is not None:
+            pool.checkin(run.req.session_id, run.cached, KVState(self.kv.export_row(run.row), self.kv.lengths[run.row]))
+            # pooled sessions and the slab share one budget
+            pool.shrink_to(max(0, (self.limits.kv_budget_bytes - self.kv.allocated_bytes) // self.kv.bytes_per_token))
+        self._release(ticket)
+        self.decoder.builder.finish(run.req.request_id)
+        ticket.events.append(run.final_result())
+        ticket.done = True
+        self.stats.finished += 1
+
+    def _fail(self, ticket: Ticket, exc: BaseException) -> None:
+        self._release(ticket)
+        ticket.error = exc
+        ticket.done = True
+        self.decoder.builder.finish(ticket.run.req.request_id)
+
+    def _release(self, ticket: Ticket) -> None:
+        with self._lock:
+            if ticket in self._active:
+                self._active.remove(ticket)
+        row = ticket.run.row
+        if row is None:
+            return
+        ticket.run.row = None
+        moved = self.kv.drop_row(row)
+        if moved is not None:
+            for t in self._active:
+                if t.run.row == moved:
+                    t.run.row = row
+                    break
+
+    def _batch_cost(self) -> BatchCost:
+        if self._cost is None:
+            builder = self.decoder.builder
+            single = builder.cost if isinstance(builder, CostAwareTreeBuilder) else CostModel(
+                self.decoder.target.cost_curve or {1: 1.0})
+            self._cost = BatchCost(single, self.decoder.target.batch_cost)
+        return self._cost

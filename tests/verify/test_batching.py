@@ -1,0 +1,369 @@
+"""Continuous batching: every request's output equals its own plain batch-1 decoding, whatever
+else is in the batch (float64 random-weight Llama and Gemma 3), rows never see each other, the
+KV budget holds, prefill is chunked, cancels free their row within one step, and the batch's
+budget shrinks trees as the batch grows."""
+
+from __future__ import annotations
+
+import random
+import threading
+
+import pytest
+import torch
+from scipy.stats import chisquare
+from tiny_models import tiny_target
+
+from draftmesh.backend import KVState
+from draftmesh.batch_kv import RowInput
+from draftmesh.draft.base import DraftContext, Proposal
+from draftmesh.io_struct import GenerationRequest, GenerationResult, SamplingParams, SpeculationParams
+from draftmesh.sampling import target_probs
+from draftmesh.tree import DraftSequence, TokenTree
+from draftmesh.verify.decoder import SpeculativeDecoder
+from draftmesh.verify.scheduler import BatchLimits, Busy
+from draftmesh.verify.tree_builder import BatchCost, CostAwareTreeBuilder, CostModel, ScoredTree, TrieBuilder, choose_nodes
+
+
+def reference_greedy(target, prompt, max_new: int) -> tuple[int, ...]:
+    """Plain batch-1 greedy decoding on the target's own DynamicCache path (not the batch's)."""
+    state = KVState()
+    target.prefill(state, list(prompt[:-1]))
+    pending, out = prompt[-1], []
+    for _ in range(max_new):
+        pending = int(target.step(state, pending)[0].argmax())
+        out.append(pending)
+        if pending in target.eos_token_ids:
+            break
+    return tuple(out)
+
+
+class PerRequestScript:
+    """Drafts each request's own known continuation, corrupted at random (test double)."""
+
+    name = "scripted"
+
+    def __init__(self, vocab: int, seed: int) -> None:
+        self.truth: dict[str, tuple[int, ...]] = {}
+        self.vocab = vocab
+        self.rng = random.Random(seed)
+        self.lock = threading.Lock()
+
+    def propose(self, ctx: DraftContext) -> list[Proposal]:
+        with self.lock:
+            rng = self.rng
+            truth = list(self.truth.get(ctx.request_id, ()))[len(ctx.generated_ids) :]
+            chains = []
+            for _ in range(rng.randint(0, 3)):
+                n = rng.randint(1, 10)
+                err = rng.choice([None, 0, 1, 3, 6])
+                chain = [truth[i] if i < len(truth) and (err is None or i < err) else rng.randrange(self.vocab)
+                         for i in range(n)]
+                chains.append(Proposal(self.name, token_ids=tuple(chain), confidence=rng.random()))
+            return chains
+
+
+def drive(decoder, schedule):
+    """Run the scheduler step by step: ``schedule`` is (join_step, request, cancel_step or None).
+    Returns each request's GenerationResult (None if cancelled) and the rows of every step."""
+    sched = decoder.scheduler
+    tickets, results, rows_per_step = {}, {}, []
+    step = 0
+    while True:
+        for i, (join, req, cancel) in enumerate(schedule):
+            if join == step:
+                tickets[i] = decoder.submit(req)
+            if cancel is not None and cancel == step and i in tickets:
+                sched.cancel(tickets[i])
+        if len(tickets) == len(schedule) and all(t.done for t in tickets.values()):
+            break
+        sched.step()
+        rows_per_step.append(sched.kv.rows)
+        step += 1
+        assert step < 2000, "the batch did not finish"
+    for i, t in tickets.items():
+        assert t.error is None, t.error
+        events = list(t.events)
+        results[i] = events[-1] if events and isinstance(events[-1], GenerationResult) else None
+    return results, rows_per_step
+
+
+def random_prompt(rng, vocab, lo=1, hi=40):
+    return tuple(rng.randrange(1, vocab) for _ in range(rng.randint(lo, hi)))
+
+
+@pytest.mark.parametrize("builder", ["cost", "trie"])
+def test_every_request_in_a_batch_decodes_as_it_would_alone(tiny, builder):
+    """Requests of different lengths join and leave mid-stream, some cancelled, drafts right and
+    wrong: each completed greedy output equals its own plain batch-1 output (float64)."""
+    rng = random.Random(3)
+    script = PerRequestScript(tiny.vocab_size, seed=1)
+    b = (CostAwareTreeBuilder({1: 1.0, 64: 1.0}) if builder == "cost" else TrieBuilder(max_nodes=16))
+    decoder = SpeculativeDecoder(tiny, [script], b, batch_limits=BatchLimits(prefill_chunk=8, max_batch_tokens=64))
+    schedule, want = [], {}
+    for i in range(10):
+        prompt = random_prompt(rng, tiny.vocab_size)
+        n = rng.randint(1, 24)
+        req = GenerationRequest(prompt, max_new_tokens=n, request_id=f"r{i}")
+        want[i] = reference_greedy(tiny, prompt, n)
+        script.truth[f"r{i}"] = want[i]
+        cancel = rng.choice([None] * 4 + [rng.randint(1, 6)])
+        schedule.append((rng.randint(0, 12), req, cancel))
+    results, rows = drive(decoder, schedule)
+    assert max(rows) >= 4  # they really were decoded together
+    finished = 0
+    for i, result in results.items():
+        if result is None:
+            assert schedule[i][2] is not None  # only cancelled requests have no result
+            continue
+        finished += 1
+        assert result.token_ids == want[i], f"request {i}"
+    assert finished >= 5
+    assert decoder.scheduler.kv.rows == 0  # every row freed
+
+
+def test_mixed_greedy_and_sampled_requests_keep_greedy_exact_and_stop_strings(tiny):
+    rng = random.Random(5)
+    plain = SpeculativeDecoder(tiny)
+    script = PerRequestScript(tiny.vocab_size, seed=2)
+    decoder = SpeculativeDecoder(tiny, [script], TrieBuilder(max_nodes=12))
+    schedule, want = [], {}
+    for i in range(8):
+        prompt = random_prompt(rng, tiny.vocab_size, 3, 30)
+        greedy = i % 2 == 0
+        free = plain.generate(GenerationRequest(prompt, max_new_tokens=16))
+        words = free.text.split()
+        stop = (words[len(words) // 2],) if greedy and i % 4 == 0 and len(words) > 3 else ()
+        req = GenerationRequest(prompt, max_new_tokens=16, stop=stop, request_id=f"m{i}",
+                                sampling=SamplingParams() if greedy else SamplingParams(0.9, seed=i))
+        script.truth[f"m{i}"] = free.token_ids
+        if greedy:
+            want[i] = plain.generate(GenerationRequest(prompt, max_new_tokens=16, stop=stop))
+        schedule.append((i, req, None))
+    results, _ = drive(decoder, schedule)
+    for i, w in want.items():
+        assert results[i].token_ids == w.token_ids and results[i].text == w.text and results[i].finish_reason == w.finish_reason
+
+
+def test_eos_inside_a_tree_ends_the_request_there(tiny, monkeypatch):
+    """A draft running through EOS: the output stops at EOS, exactly as plain decoding."""
+    rng = random.Random(11)
+    prompt = random_prompt(rng, tiny.vocab_size, 2, 20)
+    free = reference_greedy(tiny, prompt, 30)
+    monkeypatch.setattr(tiny, "eos_token_ids", frozenset({free[5]}))  # a token the model does emit
+    want = reference_greedy(tiny, prompt, 30)
+    assert want[-1] == free[5] and len(want) <= 6
+
+    class ThroughEos:
+        name = "through"
+
+        def propose(self, ctx):
+            rest = list(want[len(ctx.generated_ids) :]) + [5, 6, 7]
+            return [Proposal("through", token_ids=tuple(rest[:12]))]
+
+    decoder = SpeculativeDecoder(tiny, [ThroughEos()], TrieBuilder(max_nodes=16))
+    other = GenerationRequest(random_prompt(rng, tiny.vocab_size), max_new_tokens=20, request_id="other")
+    results, _ = drive(decoder, [(0, GenerationRequest(prompt, max_new_tokens=30, request_id="eos"), None), (0, other, None)])
+    assert results[0].token_ids == want and results[0].finish_reason == "eos"
+    assert results[1].token_ids == reference_greedy(tiny, other.prompt_ids, 20)
+
+
+def test_rows_never_see_each_other(tiny):
+    """A row's logits are the same alone and beside other rows of any length and tree (float64)."""
+    rng = random.Random(0)
+    prompt = list(random_prompt(rng, tiny.vocab_size, 20, 20))
+    tree = TokenTree.from_sequences([DraftSequence((4, 5, 6), "a"), DraftSequence((4, 9), "b"), DraftSequence((7,), "c")])
+
+    def row_input(row):
+        return RowInput(row, [prompt[-1], *tree.tokens], [-1] + [p + 1 if p >= 0 else 0 for p in tree.parents])
+
+    alone = tiny.new_batch_cache(1 << 28)
+    alone.ensure(1, 64)
+    alone.add_row()
+    tiny.forward_batch(alone, [RowInput.chain(0, prompt[:-1])])
+    want = tiny.forward_batch(alone, [row_input(0)])[0]
+    crowd = tiny.new_batch_cache(1 << 28)
+    crowd.ensure(4, 128)
+    for _ in range(4):
+        crowd.add_row()
+    others = [random_prompt(rng, tiny.vocab_size, 1, 60) for _ in range(3)]
+    tiny.forward_batch(crowd, [RowInput.chain(0, others[0]), RowInput.chain(1, prompt[:-1]),
+                               RowInput.chain(3, others[2])])
+    tiny.forward_batch(crowd, [RowInput.chain(2, others[1])])
+    got = tiny.forward_batch(crowd, [RowInput(0, [3, 4, 5], [-1, 0, 0]), row_input(1),
+                                     RowInput.chain(2, [8] * 50, logits_from=50), RowInput(3, [9], [-1])])
+    assert torch.allclose(got[1], want, atol=1e-9, rtol=0)
+    # and the sequential truth: the tree's logits equal decoding each path one token at a time
+    for i in range(len(tree)):
+        path = [tree.tokens[j] for j in tree.path_to(i)]
+        state = KVState()
+        tiny.prefill(state, prompt + path[:-1])
+        assert torch.allclose(got[1][1 + i], tiny.step(state, path[-1])[0], atol=1e-9, rtol=0)
+
+
+def test_a_long_prompt_is_prefilled_in_chunks_while_others_stream(tiny):
+    rng = random.Random(8)
+    long_prompt = random_prompt(rng, tiny.vocab_size, 200, 200)
+    short = random_prompt(rng, tiny.vocab_size, 5, 5)
+    decoder = SpeculativeDecoder(tiny, batch_limits=BatchLimits(prefill_chunk=16, max_batch_tokens=32))
+    sched = decoder.scheduler
+    long_t = decoder.submit(GenerationRequest(long_prompt, max_new_tokens=4, request_id="long"))
+    sched.step()
+    short_t = decoder.submit(GenerationRequest(short, max_new_tokens=8, request_id="short"))
+    steps = 0
+    while not short_t.events:
+        sched.step()
+        steps += 1
+    assert steps <= 2  # its first token came while the long prompt was still prefilling
+    assert long_t.run.to_prefill > 0 and not long_t.events
+    while not (long_t.done and short_t.done):
+        sched.step()
+    assert long_t.events[-1].token_ids == reference_greedy(tiny, long_prompt, 4)
+    assert short_t.events[-1].token_ids == reference_greedy(tiny, short, 8)
+
+
+def test_the_kv_budget_queues_then_refuses(tiny):
+    probe = tiny.new_batch_cache(1 << 30)
+    small_need = 4 + 20 + CostAwareTreeBuilder({1: 1.0}).max_nodes + 2  # prompt, output, a step's tree
+    budget = probe.bytes_for(2, small_need)  # two such rows, no more
+    decoder = SpeculativeDecoder(tiny, batch_limits=BatchLimits(kv_budget_bytes=budget, max_waiting=2))
+    sched = decoder.scheduler
+    with pytest.raises(Busy, match="kv_budget_bytes"):
+        decoder.submit(GenerationRequest(tuple(range(1, 6)), max_new_tokens=250))
+    reqs = [GenerationRequest((3, 4, 5, 6 + i), max_new_tokens=20, request_id=f"q{i}") for i in range(4)]
+    tickets = [decoder.submit(r) for r in reqs[:2]]
+    sched.step()
+    tickets += [decoder.submit(r) for r in reqs[2:]]  # these two wait for a free row
+    with pytest.raises(Busy, match="queue is full"):
+        decoder.submit(GenerationRequest((3, 4), max_new_tokens=5))
+    sched.step()
+    assert sched.kv.rows == 2 and len(sched._waiting) == 2
+    while not all(t.done for t in tickets):
+        sched.step()
+        assert sched.kv.allocated_bytes <= budget and sched.kv.rows <= 2
+    for r, t in zip(reqs, tickets):
+        assert t.events[-1].token_ids == reference_greedy(tiny, r.prompt_ids, 20)
+
+
+def test_a_cancel_frees_its_row_within_the_step(tiny):
+    decoder = SpeculativeDecoder(tiny)
+    sched = decoder.scheduler
+    tickets = [decoder.submit(GenerationRequest((3, 4, 5 + i), max_new_tokens=100)) for i in range(3)]
+    sched.step()
+    sched.step()
+    assert sched.kv.rows == 3
+    sched.cancel(tickets[1])
+    assert sched.kv.rows == 2 and tickets[1].done
+    while not (tickets[0].done and tickets[2].done):
+        sched.step()
+    assert tickets[2].events[-1].token_ids == reference_greedy(tiny, (3, 4, 7), 100)
+
+
+def test_concurrent_callers_share_the_forwards(tiny):
+    """Callers on their own threads (the replica's way): one batch, each output its own."""
+    decoder = SpeculativeDecoder(tiny)
+    rng = random.Random(2)
+    prompts = [random_prompt(rng, tiny.vocab_size, 2, 30) for _ in range(6)]
+    out: dict[int, tuple[int, ...]] = {}
+
+    def call(i):
+        out[i] = decoder.generate(GenerationRequest(prompts[i], max_new_tokens=30)).token_ids
+
+    threads = [threading.Thread(target=call, args=(i,)) for i in range(6)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(60)
+    assert all(out[i] == reference_greedy(tiny, prompts[i], 30) for i in range(6))
+    stats = decoder.batch_stats()
+    assert stats["max_rows"] >= 2 and stats["steps"] < 6 * 30  # forwards were shared
+    assert stats["active_rows"] == 0
+
+
+VOCAB = 16
+PROMPT = (3, 7, 2, 9)
+
+
+def test_sampling_keeps_the_target_law_with_other_requests_in_the_batch():
+    """The first token of sampled requests, decoded 4 at a time beside greedy ones with drafts."""
+    model = tiny_target("llama", vocab_size=VOCAB, seed=5)
+    state = KVState()
+    model.prefill(state, list(PROMPT[:-1]))
+    params = SamplingParams(temperature=1.0, top_k=8)
+    law = target_probs(model.step(state, PROMPT[-1])[0], params)
+
+    class Guess:
+        name = "guess"
+
+        def __init__(self):
+            self.rng = random.Random(0)
+
+        def propose(self, ctx):
+            return [Proposal("guess", token_ids=tuple(self.rng.randrange(VOCAB) for _ in range(2))) for _ in range(3)]
+
+    decoder = SpeculativeDecoder(model, [Guess()], TrieBuilder(max_nodes=8))
+    counts = torch.zeros(VOCAB, dtype=torch.float64)
+    seed = 0
+    for round_ in range(300):
+        schedule = []
+        for j in range(4):
+            seed += 1
+            schedule.append((j % 2, GenerationRequest(PROMPT, max_new_tokens=2, request_id=f"s{seed}",
+                                                      sampling=SamplingParams(1.0, top_k=8, seed=seed)), None))
+        schedule.append((0, GenerationRequest((5, 6, 7, 8, 9)[: 1 + round_ % 5], max_new_tokens=3,
+                                              request_id=f"g{round_}"), None))
+        results, _ = drive(decoder, schedule)
+        for j in range(4):
+            counts[results[j].token_ids[0]] += 1
+    expected = law * counts.sum()
+    support = expected > 0
+    assert counts[~support].sum() == 0
+    assert chisquare(counts[support].numpy(), expected[support].numpy()).pvalue > 1e-3
+
+
+def test_the_batch_budget_shrinks_trees_as_the_batch_grows():
+    """One cost table: more rows make each node pay for a bigger forward, so fewer nodes are
+    kept per request; a steep enough cost keeps none; at batch 1 it is the builder's choice."""
+    def linear(t):  # weights read once per forward, then a cost per token
+        return 0.9 + 0.1 * t
+
+    single = CostModel({t: linear(t) / linear(1) for t in (1, 2, 4, 8, 16, 32, 64)})
+    batched = {r: {r * k: linear(r * k) / linear(1) for k in (1, 2, 4, 8)} for r in (2, 4, 8)}
+    cost = BatchCost(single, batched)
+    chain = TokenTree.from_sequences([DraftSequence(tuple(range(1, 13)), "s")])
+
+    def cand():
+        return ScoredTree(chain, [0.9 ** (i + 1) for i in range(12)], [{} for _ in range(12)], 64)
+
+    kept = []
+    for rows in (1, 2, 4, 8):
+        keep = choose_nodes([cand() for _ in range(rows)], cost, rows=rows, base_tokens=rows, min_gain=1.02)
+        kept.append(sum(len(k) for k in keep) / rows)
+    assert kept[0] > 0 and all(a >= b for a, b in zip(kept, kept[1:])) and kept[-1] < kept[0]
+    steep = BatchCost(CostModel({1: 1.0, 2: 3.0, 64: 200.0}))
+    assert choose_nodes([cand()], steep, rows=1, base_tokens=1, min_gain=1.02) == [[]]
+    # batch 1: the same nodes the single-request builder picks
+    builder = CostAwareTreeBuilder({1: 1.0, 2: 1.1, 4: 1.2, 8: 1.4, 16: 2.0})
+    props = [Proposal("s", token_ids=tuple(range(10, 30)), confidence=0.8)]
+    ctx = DraftContext(token_ids=(1, 2, 3), prompt_len=3, request_id="x")
+    tree = builder.build(props, ctx)
+    sc = builder.candidates(props, ctx)
+    keep = choose_nodes([sc], BatchCost(builder.cost), rows=1, base_tokens=1, min_gain=builder.config.min_gain)[0]
+    assert sc.select(keep).tokens == tree.tokens and 0 < len(tree) < 20
+
+
+def test_speculation_off_requests_share_the_batch_with_speculating_ones(tiny):
+    rng = random.Random(4)
+    script = PerRequestScript(tiny.vocab_size, seed=3)
+    decoder = SpeculativeDecoder(tiny, [script], TrieBuilder(max_nodes=8))
+    schedule, want = [], {}
+    for i in range(4):
+        prompt = random_prompt(rng, tiny.vocab_size, 3, 20)
+        want[i] = reference_greedy(tiny, prompt, 12)
+        script.truth[f"o{i}"] = want[i]
+        spec = SpeculationParams(enabled=i % 2 == 0)
+        schedule.append((0, GenerationRequest(prompt, max_new_tokens=12, request_id=f"o{i}", speculation=spec), None))
+    results, _ = drive(decoder, schedule)
+    for i in range(4):
+        assert results[i].token_ids == want[i]
+        trees = sum(s.tree_size for s in results[i].steps)
+        assert (trees > 0) == (i % 2 == 0)
