@@ -148,6 +148,9 @@ class RemoteSource:
     token_ids: bool = option(False, help="external source: it shares the target's tokenizer, so its token ids are used")
     secure: bool = option(False, help="external source: TLS to the server")
     root_certificates: str | None = option(None, help="external source: PEM file of the CA to trust (implies secure)")
+    api_key_file: str | None = option(
+        None, help="external source: a file holding the bearer key its server asks for (draft-serve --api-key)"
+    )
 
     def __post_init__(self) -> None:
         check_fields(self)
@@ -158,8 +161,8 @@ class RemoteSource:
                 raise ValueError(f"address must be host:port, got {self.address!r}")
         elif self.deployment is None and self.factory is None:
             raise ValueError("give address (external gRPC) or deployment/factory (Serve)")
-        elif self.token_ids or self.secure or self.root_certificates:
-            raise ValueError("token_ids, secure and root_certificates apply to an external address only")
+        elif self.token_ids or self.secure or self.root_certificates or self.api_key_file:
+            raise ValueError("token_ids, secure, root_certificates and api_key_file apply to an external address only")
         if self.factory is not None and ":" not in self.factory:
             raise ValueError(f"factory must look like package.module:callable, got {self.factory!r}")
 
