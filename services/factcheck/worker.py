@@ -29,8 +29,8 @@ annotate that raised (retried after ``claim_idle_ms``, dead-lettered after ``max
 and leaves the heartbeat, while the call itself is abandoned on its daemon thread (a thread
 cannot be killed). An abandoned call keeps its slot while it runs, so at most
 ``concurrency`` annotate calls ever run at once; a worker whose slots are all hung stops
-(``run`` returns, the CLI exits 3) so that its supervisor starts a fresh one. A "failed" annotation of a content-keyed id
-lives ``failed_ttl_s``, so the same text is checked again soon.
+(``run`` returns, the CLI exits 3) so that its supervisor starts a fresh one. A "failed"
+annotation of a content-keyed id lives ``failed_ttl_s``, so the same text is checked again soon.
 """
 
 from __future__ import annotations
