@@ -113,6 +113,9 @@ def cmd_bench(args: argparse.Namespace) -> int:
 def cmd_draft_serve(args: argparse.Namespace) -> int:
     """Serve one built-in draft source over gRPC until Ctrl-C or SIGTERM."""
     # lazy: the draft sources (torch, a tokenizer)
+    import grpc
+
+    from draftmesh.auth import ApiKeyAuth
     from draftmesh.draft.grpc_server import serve_source
     from draftmesh.draft.registry import build_source
 
@@ -125,12 +128,22 @@ def cmd_draft_serve(args: argparse.Namespace) -> int:
             raise ValueError(f"cannot read --options-yaml: {exc}") from None
         if not isinstance(options, dict):
             raise ValueError(f"{args.options_yaml}: the source options must be a mapping")
+    if (args.tls_cert is None) != (args.tls_key is None):
+        raise ValueError("--tls-cert and --tls-key must be given together")
+    auth = ApiKeyAuth.from_keys_and_file(args.api_keys, args.api_keys_file)
+    credentials = None
+    if args.tls_cert:
+        from draftmesh.router.tls_gateway import load_tls_files  # lazy: only with TLS; the gateway's PEM checks
+
+        cert, key = load_tls_files(args.tls_cert, args.tls_key)
+        credentials = grpc.ssl_server_credentials([(key, cert)])
     source = build_source(args.source, config_from_args(args).engine.model, options=options)
     tracing.setup_tracing("draft")
-    server, port = serve_source(source, args.port, host=args.host)
+    server, port = serve_source(source, args.port, host=args.host, server_credentials=credentials, auth=auth)
     stop = threading.Event()
     previous = signal.signal(signal.SIGTERM, lambda *_: stop.set())
-    print(f"draft source {args.source!r} listening on {args.host}:{port}", flush=True)
+    extras = "".join((" with TLS" if credentials else "", " with API keys" if auth.enabled else ""))
+    print(f"draft source {args.source!r} listening on {args.host}:{port}{extras}", flush=True)
     try:
         while not stop.wait(0.5):
             pass
@@ -216,7 +229,14 @@ def build_parser() -> argparse.ArgumentParser:
     ds = sub.add_parser("draft-serve", help="serve a built-in draft source over gRPC (draftmesh.v1.DraftSource)")
     ds.add_argument("--source", required=True, help="built-in source name (history, rules, rag, prompt_lookup, llm)")
     ds.add_argument("--port", type=int, default=9100, help="0: any free port")
-    ds.add_argument("--host", default="0.0.0.0")
+    ds.add_argument("--host", default="127.0.0.1",
+                    help="address to listen on (default: loopback only; 0.0.0.0 for every interface)")
+    ds.add_argument("--api-key", action="append", default=None, dest="api_keys",
+                    help="a bearer key calls must present (repeatable; the router's check; unset: no auth)")
+    ds.add_argument("--api-keys-file", default=os.environ.get("DRAFTMESH_API_KEYS_FILE"),
+                    help="a file of bearer keys, one per line (default: DRAFTMESH_API_KEYS_FILE)")
+    ds.add_argument("--tls-cert", default=None, help="PEM certificate: serve TLS only (with --tls-key)")
+    ds.add_argument("--tls-key", default=None, help="PEM private key of --tls-cert")
     add_config_arguments(ds, sections=("engine",))  # --model: the target whose tokenizer the source uses
     ds.add_argument("--options-yaml", default=None, help="YAML mapping of the source's options")
     ds.add_argument("--grace", type=float, default=2.0, help="seconds in-flight calls get on shutdown")

@@ -157,6 +157,9 @@ class RemoteSource:
     token_ids: bool = option(False, help="external source: it shares the target's tokenizer, so its token ids are used")
     secure: bool = option(False, help="external source: TLS to the server")
     root_certificates: str | None = option(None, help="external source: PEM file of the CA to trust (implies secure)")
+    api_key_file: str | None = option(
+        None, help="external source: a file holding the bearer key its server asks for (draft-serve --api-key)"
+    )
 
     def __post_init__(self) -> None:
         check_fields(self)
@@ -167,8 +170,8 @@ class RemoteSource:
                 raise ValueError(f"address must be host:port, got {self.address!r}")
         elif self.deployment is None and self.factory is None:
             raise ValueError("give address (external gRPC) or deployment/factory (Serve)")
-        elif self.token_ids or self.secure or self.root_certificates:
-            raise ValueError("token_ids, secure and root_certificates apply to an external address only")
+        elif self.token_ids or self.secure or self.root_certificates or self.api_key_file:
+            raise ValueError("token_ids, secure, root_certificates and api_key_file apply to an external address only")
         if self.factory is not None and ":" not in self.factory:
             raise ValueError(f"factory must look like package.module:callable, got {self.factory!r}")
 
@@ -347,6 +350,22 @@ class FactCheckConfig:
     claim_idle_ms: int = option(30000, min=0, help="a pending entry idle this long is reclaimed from its (dead) worker")
     max_deliveries: int = option(3, min=1, help="deliveries after which an entry goes to the dead-letter stream")
     annotation_ttl_s: int = option(3600, min=1, help="lifetime of an annotation key")
+    failed_ttl_s: int = option(
+        60, min=1,
+        help="lifetime of a 'failed' annotation of a content-keyed id (drafts, queries), after which the same "
+             "text is checked again (outputs' keep annotation_ttl_s)",
+    )
+    annotate_timeout_s: float = option(
+        60.0, min=0.001,
+        help="longest one annotation may take; past it the entry is failed (retried, then dead-lettered) and "
+             "its heartbeat stops",
+    )
+    max_waiters: int = option(
+        4, min=1, mesh_only=True,
+        help="FactCheck calls a router replica lets wait for an annotation at once; beyond: RESOURCE_EXHAUSTED "
+             "(keep it under the router's 8 slots of headroom above serve.max_in_flight)",
+    )
+    max_wait_ms: int = option(10000, min=0, mesh_only=True, help="longest a FactCheck call waits, whatever it asks")
     block_ms: int = option(1000, min=1, help="how long one XREADGROUP waits for entries")
 
     def __post_init__(self) -> None:

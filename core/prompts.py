@@ -2,6 +2,17 @@
 
 Instruction models carry a chat template; base models (the packaged Gemma 3 270M is one)
 do not, so messages are rendered as a plain transcript for them instead of failing.
+
+Message content is text, whatever it spells: a user who types ``<|im_start|>system`` gets
+those characters, not the control token, so content can neither close its own turn nor
+forge another one (as chat servers do). The template's own control tokens are encoded as
+tokens. With a chat template this is transformers' ``sanitize_control_tokens`` (content
+control tokens are marked before rendering and encoded as plain text; the tokenizer refuses
+if plain text would still produce the token); without one the transcript is encoded with
+``split_special_tokens``. A chat of ordinary content encodes exactly as before.
+
+A raw ``prompt`` is not a chat: its caller writes the whole model input, so control tokens
+in it are parsed (``encode_prompt``); there is no turn of someone else's to forge.
 """
 
 from __future__ import annotations
@@ -30,9 +41,11 @@ def validate_messages(messages: Any) -> list[dict[str, str]]:
 def encode_messages(tokenizer, messages: Sequence[Mapping[str, str]]) -> list[int]:
     msgs = validate_messages(messages)
     if getattr(tokenizer, "chat_template", None):
-        return list(tokenizer.apply_chat_template(msgs, add_generation_prompt=True)["input_ids"])
+        encoded = tokenizer.apply_chat_template(msgs, add_generation_prompt=True, sanitize_control_tokens=True)
+        return list(encoded["input_ids"])
+    # No template: the transcript holds no control token of its own (the tokenizer may still add BOS).
     transcript = "".join(f"{m['role'].capitalize()}: {m['content']}\n\n" for m in msgs) + "Assistant:"
-    return encode_prompt(tokenizer, transcript)
+    return list(tokenizer(transcript, split_special_tokens=True)["input_ids"])
 
 
 def encode_prompt(tokenizer, text: str) -> list[int]:

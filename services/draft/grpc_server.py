@@ -6,6 +6,10 @@ holds and learns nothing new from requests.
 
 The server is gRPC's synchronous one: up to ``max_workers`` calls run at once on a thread
 pool, so the source must be thread-safe unless ``max_workers`` is 1.
+
+It listens on loopback unless told otherwise. With API keys (``draftmesh.auth.ApiKeyAuth``,
+the router's check) every call must carry ``authorization: Bearer <key>`` or is answered
+UNAUTHENTICATED before the servicer runs; with server credentials the port speaks TLS only.
 """
 
 from __future__ import annotations
@@ -16,6 +20,7 @@ import logging
 import grpc
 
 from draftmesh import tracing
+from draftmesh.auth import ApiKeyAuth
 from draftmesh.draft import wire
 from draftmesh.draft.base import DraftSource
 from draftmesh.v1 import draft_source_pb2 as pb
@@ -49,6 +54,23 @@ class DraftSourceServicer(pb_grpc.DraftSourceServicer):
         return wire.proposals_to_proto(self.source.name, proposals)
 
 
+class _AuthInterceptor(grpc.ServerInterceptor):
+    """Refuses, UNAUTHENTICATED, every call whose metadata ``auth`` does not accept."""
+
+    def __init__(self, auth: ApiKeyAuth) -> None:
+        self.auth = auth
+
+    def intercept_service(self, continuation, handler_call_details):
+        reason = self.auth.check(handler_call_details.invocation_metadata)
+        if reason is None:
+            return continuation(handler_call_details)
+
+        def refuse(request, context: grpc.ServicerContext):
+            context.abort(grpc.StatusCode.UNAUTHENTICATED, reason)
+
+        return grpc.unary_unary_rpc_method_handler(refuse)
+
+
 def _short(exc: BaseException, limit: int = 200) -> str:
     text = f"{type(exc).__name__}: {exc}"
     return text if len(text) <= limit else text[: limit - 3] + "..."
@@ -61,8 +83,11 @@ def serve_source(
     host: str = "127.0.0.1",
     max_workers: int = 4,
     server_credentials: grpc.ServerCredentials | None = None,
+    auth: ApiKeyAuth | None = None,
 ) -> tuple[grpc.Server, int]:
     """Start a gRPC server for ``source`` on ``host:port`` (0: any free port).
+
+    ``auth``: API keys every call must present (None or no keys: no check).
 
     Returns the started server and the bound port; stop it with ``server.stop(grace)``.
     """
@@ -71,7 +96,9 @@ def serve_source(
     server = grpc.server(
         cf.ThreadPoolExecutor(max_workers=max_workers, thread_name_prefix=f"draft-serve-{source.name}"),
         options=_SERVER_OPTIONS,
-        interceptors=tracing.server_interceptors(),
+        # The key check first: a refused call never reaches the tracing or the source.
+        interceptors=([_AuthInterceptor(auth)] if auth is not None and auth.enabled else [])
+        + list(tracing.server_interceptors()),
     )
     pb_grpc.add_DraftSourceServicer_to_server(DraftSourceServicer(source), server)
     bind = f"[{host}]:{port}" if ":" in host and not host.startswith("[") else f"{host}:{port}"

@@ -22,6 +22,7 @@ import threading
 import grpc
 
 from draftmesh import tracing
+from draftmesh.auth import ApiKeyAuth, read_key_file
 from draftmesh.config import RemoteSource
 from draftmesh.draft import wire
 from draftmesh.draft.base import DraftContext, Proposal
@@ -73,6 +74,7 @@ class GrpcDraftSource:
         token_ids_ok: bool = False,
         secure: bool = False,
         root_certificates: bytes | None = None,
+        api_key: str | None = None,
     ) -> None:
         if not name:
             raise ValueError("a remote draft source needs a name")
@@ -89,6 +91,8 @@ class GrpcDraftSource:
         self.token_ids_ok = token_ids_ok
         self.secure = secure
         self.root_certificates = root_certificates
+        # Sent as ``authorization: Bearer <key>`` (draft-serve's and the router's check); never logged.
+        self._metadata = (("authorization", f"Bearer {api_key.strip()}"),) if api_key and api_key.strip() else ()
         self._lock = threading.Lock()
         self._channel: grpc.Channel | None = None
         self._stub: pb_grpc.DraftSourceStub | None = None
@@ -110,6 +114,14 @@ class GrpcDraftSource:
         if spec.root_certificates is not None:
             with open(spec.root_certificates, "rb") as fh:
                 roots = fh.read()
+        api_key = None
+        if spec.api_key_file is not None:
+            keys = read_key_file(spec.api_key_file, f"sources.remote.{name}.api_key_file")
+            if len(keys) != 1:
+                raise ValueError(f"sources.remote.{name}.api_key_file={spec.api_key_file}: holds {len(keys)} keys, "
+                                 "give the one to send")
+            ApiKeyAuth(keys)  # the same checks as the server's: printable ASCII, no whitespace
+            api_key = keys[0]
         return cls(
             name,
             spec.address,
@@ -118,6 +130,7 @@ class GrpcDraftSource:
             token_ids_ok=spec.token_ids,
             secure=spec.secure or roots is not None,
             root_certificates=roots,
+            api_key=api_key,
         )
 
     def _get_stub(self) -> pb_grpc.DraftSourceStub:
@@ -136,7 +149,7 @@ class GrpcDraftSource:
         request = wire.context_to_proto(ctx, self.tokenizer_name)
         stub = self._get_stub()
         try:
-            response = stub.Propose(request, timeout=self.timeout_s, wait_for_ready=False)
+            response = stub.Propose(request, timeout=self.timeout_s, wait_for_ready=False, metadata=self._metadata)
         except grpc.RpcError as exc:
             code = exc.code() if hasattr(exc, "code") else None
             details = exc.details() if hasattr(exc, "details") else str(exc)

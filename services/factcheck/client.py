@@ -12,13 +12,20 @@ block it for long:
 - back-pressure: when the workers' lag (entries not yet read by the group) reaches
   ``max_lag``, spans are skipped and counted rather than piling up in Redis.
 
-Only ``check_text`` (the on-demand ``FactCheck`` RPC) raises: ``FactCheckUnavailable`` when
-Redis cannot be reached (the RPC answers UNAVAILABLE), ``FactCheckBusy`` when the workers
-are too far behind (RESOURCE_EXHAUSTED).
+Only ``check_text`` and ``fetch`` (the on-demand ``FactCheck`` RPC) raise:
+``FactCheckUnavailable`` when Redis cannot be reached (the RPC answers UNAVAILABLE),
+``FactCheckBusy`` when the workers are too far behind or ``max_waiters`` calls already wait
+(RESOURCE_EXHAUSTED), ``FactCheckNotFound`` for an id no span was ever queued for (NOT_FOUND).
+Their waits are capped at ``max_wait_ms``, whatever the caller asks.
+
+Every span is queued with a ``queued:<id>`` marker naming its stream entry (XADD and SET in
+one script), so a waiter whose entry MAXLEN trimmed before any worker held it gets a "failed"
+(lost) annotation instead of waiting for one that will never come.
 """
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import threading
 import time
@@ -32,7 +39,15 @@ from redis.retry import Retry
 
 from draftmesh import tracing
 from draftmesh.config import FactCheckConfig
-from draftmesh.factcheck.protocol import Annotation, SpanEntry, StreamNames, as_str
+from draftmesh.factcheck.protocol import (
+    Annotation,
+    SpanEntry,
+    StreamNames,
+    as_str,
+    failed_ttl,
+    lost_annotation,
+    producible_annotation_id,
+)
 from draftmesh.tracing import SpanKind
 
 log = logging.getLogger(__name__)
@@ -44,7 +59,19 @@ class FactCheckUnavailable(RuntimeError):
 
 
 class FactCheckBusy(FactCheckUnavailable):
-    """The workers are ``max_lag`` or more entries behind; try again later."""
+    """The workers are ``max_lag`` or more entries behind, or ``max_waiters`` calls wait already; try again later."""
+
+
+class FactCheckNotFound(LookupError):
+    """No span was ever queued for this annotation id (or its records expired): nothing to wait for."""
+
+
+# XADD the span and SET its queued marker to the new entry id, in one round trip and atomically.
+_ENQUEUE = """
+local id = redis.call('XADD', KEYS[1], 'MAXLEN', '~', ARGV[1], '*', unpack(ARGV, 3))
+redis.call('SET', KEYS[2], id, 'EX', ARGV[2])
+return id
+"""
 
 
 @dataclass
@@ -113,7 +140,9 @@ class FactCheckClient:
             self.redis = self._waiter = redis_or_url
             timeout = redis_or_url.connection_pool.connection_kwargs.get("socket_timeout")
             self.wait_slice_s = min(wait_slice_s, timeout / 2) if timeout else wait_slice_s
+        self._enqueue = self.redis.register_script(_ENQUEUE)
         self._lock = threading.Lock()
+        self._waiting = 0
         self._known: OrderedDict[str, float] = OrderedDict()
         self._lag: int | None = None
         self._lag_at = float("-inf")
@@ -121,7 +150,8 @@ class FactCheckClient:
         self._backoff = 0.0
         self._available = True
         self._counters = dict.fromkeys(
-            ("sent", "skipped_backpressure", "skipped_known", "unavailable", "errors", "wait_timeouts"), 0
+            ("sent", "skipped_backpressure", "skipped_known", "unavailable", "errors", "wait_timeouts", "lost",
+             "busy_waiters", "not_found"), 0
         )
 
     # -- breaker --------------------------------------------------------------------------
@@ -244,8 +274,14 @@ class FactCheckClient:
             for entry in entries:
                 if parent and not entry.traceparent:
                     entry = replace(entry, traceparent=parent)
-                pipe.xadd(self.names.stream, entry.to_fields(), maxlen=self.config.maxlen, approximate=True)
+                self._queue(entry, pipe)
             pipe.execute()
+
+    def _queue(self, entry: SpanEntry, client: redis.Redis | redis.client.Pipeline) -> None:
+        """XADD ``entry`` (MAXLEN ~ maxlen) and mark its id queued, naming the entry (one script)."""
+        flat = [part for item in entry.to_fields().items() for part in item]
+        self._enqueue(keys=[self.names.stream, self.names.queued_key(entry.annotation_id)],
+                      args=[self.config.maxlen, self.config.annotation_ttl_s, *flat], client=client)  # fmt: skip
 
     def forget(self, annotation_ids: Iterable[str]) -> None:
         """Drop ids from the recently-submitted set, so the next submit sends them again."""
@@ -298,7 +334,39 @@ class FactCheckClient:
         except FactCheckUnavailable:
             return None
 
-    def _wait(self, annotation_id: str, timeout_s: float) -> Annotation | None:
+    def _queue_state(self, annotation_id: str) -> str:
+        """"unknown" (never queued, or expired), "queued" (its entry is in the stream, or a worker
+        holds it) or "lost" (trimmed away before a worker held it). Raises RedisError."""
+        raw = self._waiter.get(self.names.queued_key(annotation_id))
+        if raw is None:
+            return "unknown"
+        entry_id = as_str(raw)
+        pipe = self._waiter.pipeline(transaction=False)
+        pipe.xrange(self.names.stream, entry_id, entry_id, count=1)
+        pipe.xpending_range(self.names.stream, self.names.group, entry_id, entry_id, 1)
+        present, held = pipe.execute(raise_on_error=False)
+        if isinstance(present, Exception):
+            raise present
+        if present or (held and not isinstance(held, Exception)):  # no group yet: nobody holds it
+            return "queued"
+        return "lost"
+
+    def _settle_lost(self, annotation_id: str) -> Annotation:
+        """Write (SET NX) and return the "failed" annotation of a lost span, waking other waiters;
+        an annotation a worker wrote meanwhile wins."""
+        key, done = self.names.annotation_key(annotation_id), self.names.done_key(annotation_id)
+        lost = lost_annotation(annotation_id)
+        ttl = failed_ttl(annotation_id, self.config.failed_ttl_s, self.config.annotation_ttl_s)
+        pipe = self._waiter.pipeline(transaction=True)
+        pipe.set(key, lost.to_json(), nx=True, ex=ttl).get(key)
+        pipe.lpush(done, b"1").ltrim(done, 0, 0).expire(done, self.config.annotation_ttl_s)
+        stored = pipe.execute()[1]
+        self._count("lost")
+        return self._parse(annotation_id, stored) or lost
+
+    def _wait(self, annotation_id: str, timeout_s: float, *, must_exist: bool = False) -> Annotation | None:
+        """The annotation, waiting up to ``timeout_s``; a lost span's entry ends the wait with a
+        "failed" annotation. ``must_exist``: an id never queued raises ``FactCheckNotFound``."""
         deadline = time.monotonic() + max(0.0, timeout_s)
         key, done = self.names.annotation_key(annotation_id), self.names.done_key(annotation_id)
         if not self._allowed():
@@ -306,9 +374,15 @@ class FactCheckClient:
             raise FactCheckUnavailable("fact-check Redis unavailable (backing off after a failure)")
         try:
             annotation = self._parse(annotation_id, self.redis.get(key))
+            if annotation is None and must_exist and self._queue_state(annotation_id) == "unknown":
+                self._count("not_found")
+                raise FactCheckNotFound(f"no fact-check of {annotation_id!r} was queued, or its records expired")
             while annotation is None:
                 remaining = deadline - time.monotonic()
                 if remaining < 0.001:  # BLPOP 0 would block forever
+                    break
+                if self._queue_state(annotation_id) == "lost":
+                    annotation = self._parse(annotation_id, self._waiter.get(key)) or self._settle_lost(annotation_id)
                     break
                 # The worker pushes one token to ``done`` after writing ``key``; the list outlives
                 # the push, so a wake-up is never lost, and each waiter puts the token back for the next.
@@ -350,14 +424,47 @@ class FactCheckClient:
             if lag >= self.config.max_lag:
                 self._count("skipped_backpressure")
                 raise FactCheckBusy(f"fact-check workers are {lag} entries behind (max_lag {self.config.max_lag})")
-            self.redis.xadd(self.names.stream, entry.to_fields(), maxlen=self.config.maxlen, approximate=True)
+            self._queue(entry, self.redis)
         except redis.RedisError as exc:
             self._failed(exc, "check_text")
             self._count("unavailable")
             raise FactCheckUnavailable(f"fact-check Redis unavailable: {type(exc).__name__}: {exc}") from exc
         self._succeeded()
         self._count("sent")
-        return self._wait(entry.annotation_id, deadline - time.monotonic())
+        with self._waiter_slot(deadline - time.monotonic()):
+            return self._wait(entry.annotation_id, self._capped(deadline - time.monotonic()))
+
+    def fetch(self, annotation_id: str, timeout_s: float) -> Annotation | None:
+        """An earlier output's (or text's) annotation by id, waiting up to ``timeout_s`` (capped
+        at ``max_wait_ms``; 0: one read) while its span is queued; None when it did not come in
+        time. Raises ``FactCheckNotFound`` for an id no producer can make or none queued,
+        ``FactCheckBusy`` when ``max_waiters`` calls wait already, ``FactCheckUnavailable``."""
+        if not producible_annotation_id(annotation_id):
+            self._count("not_found")
+            raise FactCheckNotFound(f"{annotation_id!r} is not an annotation id (<d|o|q>- and 32 hex digits)")
+        with self._waiter_slot(timeout_s):
+            return self._wait(annotation_id, self._capped(timeout_s), must_exist=True)
+
+    def _capped(self, timeout_s: float) -> float:
+        return max(0.0, min(timeout_s, self.config.max_wait_ms / 1000))
+
+    @contextlib.contextmanager
+    def _waiter_slot(self, timeout_s: float):
+        """One of ``max_waiters`` slots for a call that may wait (``timeout_s`` > 0), else FactCheckBusy."""
+        if timeout_s <= 0:
+            yield
+            return
+        with self._lock:
+            if self._waiting >= self.config.max_waiters:
+                self._counters["busy_waiters"] += 1
+                raise FactCheckBusy(f"{self._waiting} fact-check calls are waiting already "
+                                    f"(factcheck.max_waiters {self.config.max_waiters})")  # fmt: skip
+            self._waiting += 1
+        try:
+            yield
+        finally:
+            with self._lock:
+                self._waiting -= 1
 
     # -- bookkeeping ----------------------------------------------------------------------
 

@@ -10,6 +10,10 @@ through one ``FactCheckConfig.stream_prefix``; nothing else is shared. Under the
 - ``<prefix>:ann:<id>``       the ``Annotation`` JSON of one annotation id (SET NX EX ttl)
 - ``<prefix>:done:<id>``      a one-element list pushed when ``ann:<id>`` is written, so
                               waiters BLPOP instead of polling
+- ``<prefix>:queued:<id>``    the stream entry id of the span queued for ``<id>`` (SET EX ttl
+                              by the producer with its XADD, in one script): a waiter tells an
+                              id that was never queued (unknown) from one still queued, and one
+                              whose entry MAXLEN trimmed before any worker held it (lost)
 
 Annotation ids are hashes (``annotation_id_for_text``): of the content for drafts and
 queries, so a draft proposed again in a later step, or by another request, maps to the
@@ -48,6 +52,7 @@ MAX_FIELD_CHARS = 512
 """Bound on request ids and traceparents."""
 
 _ID_RE = re.compile(r"[A-Za-z0-9][A-Za-z0-9._:-]{0,127}")
+_TEXT_ID_RE = re.compile(r"[doq]-[0-9a-f]{32}")
 _KIND_TAG = {"draft": "d", "output": "o", "query": "q"}
 
 
@@ -78,6 +83,32 @@ def annotation_id_for_text(kind: str, text: str, request_id: str = "") -> str:
 
 def valid_annotation_id(annotation_id: str) -> bool:
     return isinstance(annotation_id, str) and _ID_RE.fullmatch(annotation_id) is not None
+
+
+def producible_annotation_id(annotation_id: str) -> bool:
+    """Whether ``annotation_id_for_text`` can give this id (``<d|o|q>-`` + 32 hex digits): any
+    other id cannot have an annotation from our producers."""
+    return isinstance(annotation_id, str) and _TEXT_ID_RE.fullmatch(annotation_id) is not None
+
+
+def content_keyed(annotation_id: str) -> bool:
+    """Ids keyed by content alone (drafts, queries, anything but an output's): the same text
+    asked again maps to the same id, so a "failed" annotation of one must not live long."""
+    return not annotation_id.startswith(_KIND_TAG["output"] + "-")
+
+
+def failed_ttl(annotation_id: str, failed_ttl_s: int, annotation_ttl_s: int) -> int:
+    """Lifetime of a "failed" annotation: ``failed_ttl_s`` for content-keyed ids (the text may be
+    asked again), ``annotation_ttl_s`` for an output's (its request's record)."""
+    return min(failed_ttl_s, annotation_ttl_s) if content_keyed(annotation_id) else annotation_ttl_s
+
+
+def lost_annotation(annotation_id: str, worker: str = "") -> "Annotation":
+    """The "failed" annotation of a span whose stream entry was trimmed (``maxlen``) before a
+    worker annotated it: nobody will, so waiters get this instead of waiting in vain."""
+    return Annotation(annotation_id, "failed", (), worker,
+                      error="lost: the span's stream entry was trimmed (factcheck.maxlen) before a worker read it; "
+                            "ask again")  # fmt: skip
 
 
 @dataclass(frozen=True)
@@ -115,6 +146,9 @@ class StreamNames:
 
     def done_key(self, annotation_id: str) -> str:
         return f"{self.prefix}:done:{annotation_id}"
+
+    def queued_key(self, annotation_id: str) -> str:
+        return f"{self.prefix}:queued:{annotation_id}"
 
 
 def as_str(value: Any) -> str:

@@ -23,11 +23,20 @@ Each round (``run_once``, or the loop of ``run``):
 Shutdown (SIGTERM/SIGINT in the CLI, ``stop_event`` in ``run``) stops reading, lets the
 in-flight entries finish and acks them, and removes the consumer from the group when it
 holds nothing pending.
+
+Bounds: one annotation may take ``annotate_timeout_s``; past it the entry is failed like an
+annotate that raised (retried after ``claim_idle_ms``, dead-lettered after ``max_deliveries``)
+and leaves the heartbeat, while the call itself is abandoned on its daemon thread (a thread
+cannot be killed). An abandoned call keeps its slot while it runs, so at most
+``concurrency`` annotate calls ever run at once; a worker whose slots are all hung stops
+(``run`` returns, the CLI exits 3) so that its supervisor starts a fresh one. A "failed"
+annotation of a content-keyed id lives ``failed_ttl_s``, so the same text is checked again soon.
 """
 
 from __future__ import annotations
 
 import argparse
+import contextvars
 import importlib
 import json
 import logging
@@ -46,7 +55,7 @@ import redis
 
 from draftmesh import tracing
 from draftmesh.config import FactCheckConfig, add_config_arguments, config_from_args
-from draftmesh.factcheck.protocol import Annotation, MalformedEntry, SpanEntry, StreamNames, as_str
+from draftmesh.factcheck.protocol import Annotation, MalformedEntry, SpanEntry, StreamNames, as_str, failed_ttl
 from draftmesh.io_struct import Finding
 from draftmesh.tracing import SpanKind
 
@@ -56,6 +65,12 @@ _tracer = tracing.tracer("draftmesh.factcheck")
 Annotate = Callable[[SpanEntry], "list[Finding]"]
 DEFAULT_ANNOTATOR = "draftmesh.factcheck.checker:build_annotator"
 MAX_ERROR_CHARS = 2000
+EXIT_STUCK = 3
+"""The CLI's exit status when the worker stopped because its annotations hang."""
+
+
+class AnnotateTimeout(TimeoutError):
+    """``annotate`` did not return within ``annotate_timeout_s``."""
 
 
 @dataclass(frozen=True)
@@ -99,9 +114,12 @@ class Worker:
         self._claim_cursor = "0-0"
         self._next_claim = 0.0
         self._last_heartbeat = time.monotonic()
+        self._abandoned: list[threading.Thread] = []
+        self.stuck = False
+        """Set when ``run`` stopped because ``concurrency`` abandoned annotate calls still run."""
         self._counters = dict.fromkeys(
             ("processed", "duplicates", "failed", "dead_lettered", "malformed", "reclaimed", "trimmed",
-             "redis_errors"), 0
+             "redis_errors", "timeouts"), 0
         )
 
     # -- bookkeeping ----------------------------------------------------------------------
@@ -109,7 +127,8 @@ class Worker:
     def counters(self) -> dict[str, int]:
         """processed (annotations written), duplicates (id already annotated: not rewritten),
         failed (annotate raised), dead_lettered (of which malformed), reclaimed (taken over
-        from an idle consumer), trimmed (pending entries the stream had dropped), redis_errors."""
+        from an idle consumer), trimmed (pending entries the stream had dropped), redis_errors,
+        timeouts (annotate calls abandoned after ``annotate_timeout_s``)."""
         with self._lock:
             return dict(self._counters)
 
@@ -238,7 +257,8 @@ class Worker:
             error = f"{reason}: {error}"[:MAX_ERROR_CHARS]
             failed = Annotation(annotation_id, "failed", (), self.name, 0.0, error, traceparent)
             key = self.names.annotation_key(annotation_id)
-            pipe.set(key, failed.to_json(), nx=True, ex=self.config.annotation_ttl_s)
+            ttl = failed_ttl(annotation_id, self.config.failed_ttl_s, self.config.annotation_ttl_s)
+            pipe.set(key, failed.to_json(), nx=True, ex=ttl)
             self._notify(pipe, annotation_id)
         self._ack(pipe, item.entry_id)
         pipe.execute()
@@ -292,7 +312,7 @@ class Worker:
     def _annotate_entry(self, item: _Item, entry: SpanEntry, key: str, span: tracing.Span) -> None:
         t0 = time.perf_counter()
         try:
-            findings = self.annotate(entry)
+            findings = self._call_annotate(entry)
             if not isinstance(findings, (list, tuple)) or not all(isinstance(f, Finding) for f in findings):
                 raise TypeError(f"annotate returned {type(findings).__name__}, not a list of Finding")
         except Exception as exc:  # noqa: BLE001 - any annotator failure is the entry's, not ours
@@ -313,6 +333,39 @@ class Worker:
         self._ack(pipe, item.entry_id)
         written = pipe.execute()[0]
         self._count("processed" if written else "duplicates")
+
+    def _call_annotate(self, entry: SpanEntry) -> Any:
+        """``annotate(entry)`` on its own daemon thread, waited for ``annotate_timeout_s``; past it
+        the thread is abandoned (counted, bounded by ``run``) and AnnotateTimeout raised."""
+        timeout = self.config.annotate_timeout_s
+        box: dict[str, Any] = {}
+        done = threading.Event()
+
+        def call() -> None:
+            try:
+                box["result"] = self.annotate(entry)
+            except BaseException as exc:  # noqa: BLE001 - handed to the waiting thread
+                box["error"] = exc
+            finally:
+                done.set()
+
+        ctx = contextvars.copy_context()  # the current span, for the annotator's own spans
+        thread = threading.Thread(target=ctx.run, args=(call,), daemon=True, name=f"annotate-{entry.annotation_id}")
+        thread.start()
+        if not done.wait(timeout):
+            with self._lock:
+                self._abandoned.append(thread)
+                self._counters["timeouts"] += 1
+            raise AnnotateTimeout(f"annotate did not return within {timeout:g}s (factcheck.annotate_timeout_s)")
+        if "error" in box:
+            raise box["error"]
+        return box["result"]
+
+    def hung(self) -> int:
+        """Abandoned annotate calls still running."""
+        with self._lock:
+            self._abandoned = [t for t in self._abandoned if t.is_alive()]
+            return len(self._abandoned)
 
     def _settle_duplicate(self, item: _Item, entry: SpanEntry) -> None:
         pipe = self.redis.pipeline(transaction=True)
@@ -366,8 +419,14 @@ class Worker:
         ready_called = False
         with ThreadPoolExecutor(self.concurrency, thread_name_prefix=f"factcheck-{self.name}") as pool:
             while not stop_event.is_set():
+                hung = self.hung()  # abandoned calls keep their slots: at most `concurrency` run at once
+                if hung >= self.concurrency:
+                    self.stuck = True
+                    log.error("fact-check worker %s: %d annotate calls hang past annotate_timeout_s=%gs; stopping so "
+                              "that a fresh worker takes over", self.name, hung, self.config.annotate_timeout_s)
+                    break
                 with self._lock:
-                    free = self.concurrency - len(self._inflight)
+                    free = max(0, self.concurrency - len(self._inflight) - hung)
                     if not free:  # woken when an entry is settled, or in time for the heartbeat
                         self._lock.wait(min(0.1, self.config.claim_idle_ms / 3000) or 0.1)
                 try:
@@ -483,7 +542,7 @@ def main(argv: list[str] | None = None) -> int:
             signal.signal(sig, handler)
         client.close()
     print(f"factcheck worker {worker.name} stopped: {worker.counters()}", file=sys.stderr, flush=True)
-    return 0
+    return EXIT_STUCK if worker.stuck else 0
 
 
 if __name__ == "__main__":

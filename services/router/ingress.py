@@ -19,7 +19,7 @@ from ray.serve.grpc_util import RayServegRPCContext
 from draftmesh import tracing
 from draftmesh.config import DraftmeshConfig
 from draftmesh.draft import registry
-from draftmesh.factcheck.client import FactCheckBusy, FactCheckClient, FactCheckUnavailable
+from draftmesh.factcheck.client import FactCheckBusy, FactCheckClient, FactCheckNotFound, FactCheckUnavailable
 from draftmesh.factcheck.protocol import annotation_id_for_text
 from draftmesh.io_struct import Rejected, ServedResult, ServeRequest, StepEvent
 from draftmesh.metrics import RayMetrics
@@ -121,6 +121,8 @@ class Router:
                 annotation = await asyncio.to_thread(self.factcheck_client.check_text, text, wait_s)  # context copied
             else:
                 annotation = await asyncio.to_thread(self._fetch, annotation_id, wait_s)
+        except FactCheckNotFound as exc:
+            raise self._fail(grpc_context, grpc.StatusCode.NOT_FOUND, str(exc))
         except FactCheckBusy as exc:
             raise self._fail(grpc_context, grpc.StatusCode.RESOURCE_EXHAUSTED, f"fact-check service busy: {exc}; retry later")
         except FactCheckUnavailable as exc:
@@ -131,7 +133,7 @@ class Router:
         return report_to_proto(annotation.report())
 
     def _fetch(self, annotation_id: str, wait_s: float):
-        found = self.factcheck_client.wait(annotation_id, wait_s)  # reads the key first; 0 s: only that
+        found = self.factcheck_client.fetch(annotation_id, wait_s)  # reads the key first; 0 s: only that
         if found is None and not self.factcheck_client.available:
             raise FactCheckUnavailable("Redis unreachable")
         return found

@@ -13,8 +13,10 @@ and accepts, besides what the exact rule accepts, some tokens the exact rule wou
 Common rules (see docs/policies.md):
 
 - Every node is first tried with the exact rule: greedy, token == target argmax at its
-  parent; sampling, one uniform coin per node, accepted when u < p(x) (the deterministic
-  draft rule, the same coin for every policy). A node the exact rule accepts is never
+  parent; sampling, one uniform coin per node, the children of a parent tried in order as
+  deterministic drafts, each accepted when u * (p left by its rejected siblings) < p(x),
+  none after the first accepted (the same coins for every policy). With nothing lenient
+  accepted, a lossy policy samples exactly the target's distribution. A node the exact rule accepts is never
   counted as lenient ("exact wins"); ``Verdict.lenient`` counts the others.
 - A node in ``flagged`` is accepted by the exact rule only, never leniently; nor is a
   token that the request's top-k/top-p gives probability 0.
@@ -46,6 +48,17 @@ from draftmesh.verify.acceptance import Verdict
 
 Q_FLOOR = 1e-10
 """``nkl`` clips the draft distribution q to at least this before taking log q."""
+
+# Bounds on the leniency of each policy: past them a policy accepts (nearly) every drafted
+# token the target gives any probability, which is no policy at all.
+MIN_TYPICAL_EPSILON = 0.01
+"""``typical``: epsilon 0 (or delta 0) makes the bar 0, i.e. accepts every token with p > 0."""
+MIN_TYPICAL_DELTA = 0.01
+MAX_NKL_DELTA = 1.0
+"""``nkl``: a normalized divergence of 1 is -log p(x) = log V, so a threshold of 1 or more
+accepts every deterministic draft likelier than uniform."""
+MIN_SEMANTIC_THRESHOLD = 0.5
+"""``semantic``: a cosine threshold of 0 accepts about half of all token pairs, unrelated or not."""
 
 
 # ---------------------------------------------------------------------- validation
@@ -134,11 +147,23 @@ class _LossyPolicy:
         logp = [0.0] * n
         for parent in sorted(set(tree.parents)):
             row = _Row.build(logits[parent + 1], sampling)
+            # Sampling: the children are tried in order as deterministic drafts, each against
+            # what the rejected siblings before it left of p (accepted when u * left < p(x));
+            # after one passes, the rest are not tried exactly. This is exact's sequential rule,
+            # so with nothing lenient the emitted token is distributed as p. (One independent
+            # coin u < p(x) per child was biased: two children at 0.5 came out 0.625 / 0.375.)
+            left, passed, tried = 1.0, False, set()
             for node in tree.children(parent):
                 x = tree.tokens[node]
                 px = float(row.p[x])
                 logp[node] = math.log(px) if px > 0.0 else -math.inf
-                exact[node] = x == row.argmax if sampling.greedy else coins[node] < px
+                if sampling.greedy:
+                    exact[node] = x == row.argmax
+                elif not passed and px > 0.0 and x not in tried:
+                    exact[node] = passed = coins[node] * left < px
+                    if not passed:
+                        tried.add(x)
+                        left = max(left - px, 0.0)
                 if not exact[node] and node not in flagged and px > 0.0:
                     lenient[node] = bool(self._lenient_ok(_Step(tree, node, x, px), row))
         path, n_lenient = best_path(tree, exact, lenient, logp, self.block_len, self.fewer_lenient_first)
@@ -236,8 +261,8 @@ class TypicalPolicy(_LossyPolicy):
     fewer_lenient_first = False
 
     def __init__(self, epsilon: float = 0.09, delta: float = 0.3) -> None:
-        self.epsilon = _number("typical", "epsilon", epsilon, 0.0, 1.0)
-        self.delta = _number("typical", "delta", delta, 0.0)
+        self.epsilon = _number("typical", "epsilon", epsilon, MIN_TYPICAL_EPSILON, 1.0)
+        self.delta = _number("typical", "delta", delta, MIN_TYPICAL_DELTA)
 
     def threshold(self, p: torch.Tensor) -> float:
         """min(epsilon, delta * exp(-H(p))) for a distribution ``p``."""
@@ -262,9 +287,9 @@ class NKLPolicy(_LossyPolicy):
     name = "nkl"
 
     def __init__(self, delta_base: float = 0.15, alpha: float = 0.08, delta_max: float = 0.3) -> None:
-        self.delta_base = _number("nkl", "delta_base", delta_base, 0.0)
+        self.delta_base = _number("nkl", "delta_base", delta_base, 0.0, MAX_NKL_DELTA)
         self.alpha = _number("nkl", "alpha", alpha, 0.0)
-        self.delta_max = _number("nkl", "delta_max", delta_max, self.delta_base, lo_name="delta_base")
+        self.delta_max = _number("nkl", "delta_max", delta_max, self.delta_base, MAX_NKL_DELTA, lo_name="delta_base")
 
     def threshold(self, pos: int) -> float:
         """delta_pos = min(delta_max, delta_base * (1 + alpha * log2(pos + 1))); pos = depth, 1-based."""
@@ -399,7 +424,7 @@ class SemanticPolicy(_LossyPolicy):
     """``make_policy`` should pass the target's tokenizer (see docs/policies.md)."""
 
     def __init__(self, threshold: float = 0.9, tokenizer: Any = None, embedder: Embedder | None = None) -> None:
-        self.threshold = _number("semantic", "threshold", threshold, 0.0, 1.0)
+        self.threshold = _number("semantic", "threshold", threshold, MIN_SEMANTIC_THRESHOLD, 1.0)
         if tokenizer is not None and not callable(getattr(tokenizer, "decode", None)):
             raise ValueError(f"semantic policy: tokenizer must have a decode method, got {type(tokenizer).__name__}")
         if embedder is not None and not callable(embedder):

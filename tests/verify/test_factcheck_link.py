@@ -186,22 +186,33 @@ class ScriptSource:
 
 
 @pytest.mark.slow
-def test_a_lossy_policy_never_accepts_a_flagged_draft_leniently(smollm2, service):
+def test_a_lossy_policy_never_accepts_a_flagged_draft_leniently(smollm2, service, monkeypatch):
     from draftmesh.io_struct import GenerationRequest, SpeculationParams
     from draftmesh.prompts import encode_messages
+    from draftmesh.verify import policy
     from draftmesh.verify.decoder import SpeculativeDecoder
+    from draftmesh.verify.lossy import TypicalPolicy
     from draftmesh.verify.tree_builder import TrieBuilder
+
+    class AcceptAnything(TypicalPolicy):
+        """typical with epsilon 0: takes any token the target gives p > 0. Requests may not ask
+        for it (epsilon >= 0.01); the worst case shows the guard best, so the test registers it."""
+
+        def __init__(self) -> None:
+            self.epsilon, self.delta = 0.0, 0.3
+
+    monkeypatch.setitem(policy.POLICIES, "accept-anything", AcceptAnything)
 
     _, client = service
     tokenizer = smollm2.tokenizer
     text = "The Fed raised rates by 30 basis points in March."  # policy moves come in steps of 25
     script = tokenizer.encode(text, add_special_tokens=False)
     prompt = tuple(encode_messages(tokenizer, [{"role": "user", "content": "Tell me one fact."}]))
-    # typical with epsilon 0 takes any token the target gives p > 0: the whole draft. A trie
+    # The accept-anything policy takes the whole draft. A trie
     # builder with room for all of it, so the script is one step's tree: the cost-aware one
     # sizes trees from measured timings and could end a step before the final "." (the
     # target's own next token there is " 2022").
-    req = GenerationRequest(prompt, max_new_tokens=len(script) + 4, speculation=SpeculationParams(policy="typical", policy_params={"epsilon": 0.0}))
+    req = GenerationRequest(prompt, max_new_tokens=len(script) + 4, speculation=SpeculationParams(policy="accept-anything"))
     unguarded = SpeculativeDecoder(smollm2, [ScriptSource(script)], builder=TrieBuilder(max_nodes=64)).generate(req)
     assert unguarded.text.startswith(text) and unguarded.lenient_tokens > 0
 

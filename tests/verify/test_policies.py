@@ -133,7 +133,7 @@ def test_typical_threshold_exact_boundary(branch):
 def test_typical_threshold_helper_matches_formula():
     p = dist(64, {0: 0.3, 1: 0.01})
     assert TypicalPolicy(epsilon=0.5, delta=0.7).threshold(p) == pytest.approx(0.7 * math.exp(-entropy(p)))
-    assert TypicalPolicy(epsilon=0.001, delta=0.7).threshold(p) == 0.001
+    assert TypicalPolicy(epsilon=0.01, delta=0.7).threshold(p) == 0.01
 
 
 def test_typical_uses_the_request_temperature():
@@ -346,13 +346,13 @@ def test_semantic_cosine_threshold():
         policy, _ = _semantic(threshold)
         verdict = policy.verify(*_pair_case(large, big), GREEDY, None)
         assert verdict.accepted == want and verdict.lenient == len(want)
-    policy, _ = _semantic(0.0)
+    policy, _ = _semantic(0.5)
     assert policy.similarity(big, WORDS.index("other")) == pytest.approx(-1.0)
     assert policy.verify(*_pair_case(WORDS.index("other"), big), GREEDY, None).accepted == []
 
 
 def test_semantic_never_digits_or_blank():
-    policy, _ = _semantic(0.0)
+    policy, _ = _semantic(0.5)
     three, four = WORDS.index("3 apples"), WORDS.index("4 apples")
     assert policy.similarity(three, four) is None
     assert policy.verify(*_pair_case(three, four), GREEDY, None).accepted == []
@@ -479,19 +479,25 @@ def test_best_path_prefers_fewer_lenient_on_ties():
 @pytest.mark.parametrize(
     "name, params, message",
     [
-        ("typical", {"epsilon": -0.01}, r"epsilon must be a finite number in \[0, 1\]"),
-        ("typical", {"epsilon": 1.5}, r"epsilon .* \[0, 1\]"),
-        ("typical", {"delta": -1}, r"delta must be a finite number in \[0, inf\)"),
+        ("typical", {"epsilon": -0.01}, r"epsilon must be a finite number in \[0.01, 1\]"),
+        ("typical", {"epsilon": 1.5}, r"epsilon .* \[0.01, 1\]"),
+        ("typical", {"delta": -1}, r"delta must be a finite number in \[0.01, inf\)"),
+        # A policy that accepts everything is no policy: the bar 0 (epsilon or delta 0) accepts every p > 0.
+        ("typical", {"epsilon": 0.0}, r"epsilon must be a finite number in \[0.01, 1\], got 0.0"),
+        ("typical", {"delta": 0}, r"delta must be a finite number in \[0.01, inf\), got 0"),
+        ("nkl", {"delta_base": 1.5, "delta_max": 2.0}, r"delta_base must be a finite number in \[0, 1\]"),
+        ("nkl", {"delta_max": 5.0}, r"delta_max must be a finite number in \[delta_base=0.15, 1\]"),
+        ("semantic", {"threshold": 0.0}, r"threshold must be a finite number in \[0.5, 1\], got 0.0"),
         ("typical", {"delta": float("nan")}, r"delta"),
         ("typical", {"epsilon": "0.1"}, r"epsilon"),
-        ("nkl", {"delta_base": 0.2, "delta_max": 0.1}, r"delta_max must be .* \[delta_base=0.2, inf\)"),
-        ("nkl", {"delta_base": -0.1}, r"delta_base .* \[0, inf\)"),
+        ("nkl", {"delta_base": 0.2, "delta_max": 0.1}, r"delta_max must be .* \[delta_base=0.2, 1\]"),
+        ("nkl", {"delta_base": -0.1}, r"delta_base .* \[0, 1\]"),
         ("nkl", {"alpha": -1.0}, r"alpha .* \[0, inf\)"),
         ("block", {"min_block_len": 0}, r"min_block_len must be an integer in \[1, inf\)"),
         ("block", {"min_block_len": 2.0}, r"min_block_len"),
         ("block", {"min_block_len": True}, r"min_block_len"),
-        ("semantic", {"threshold": 1.01}, r"threshold must be a finite number in \[0, 1\]"),
-        ("semantic", {"threshold": -0.1}, r"threshold .* \[0, 1\]"),
+        ("semantic", {"threshold": 1.01}, r"threshold must be a finite number in \[0.5, 1\]"),
+        ("semantic", {"threshold": -0.1}, r"threshold .* \[0.5, 1\]"),
         ("semantic", {"tokenizer": "gpt2"}, r"tokenizer must have a decode method"),
         ("semantic", {"embedder": 3}, r"embedder must be callable"),
         ("typical", {"eps": 0.1}, r"bad parameters for acceptance policy 'typical'"),

@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 
 from draftmesh.draft.base import Proposal
-from draftmesh.io_struct import GenerationRequest, SamplingParams
+from draftmesh.io_struct import GenerationRequest, SamplingParams, SpeculationParams
 from draftmesh.verify.decoder import SpeculativeDecoder
 
 
@@ -14,6 +14,10 @@ def decoder():
     from tiny_models import tiny_target
 
     return SpeculativeDecoder(tiny_target("llama"))
+
+
+def _lossy(policy: str, **params) -> SpeculationParams:
+    return SpeculationParams(policy=policy, policy_params=params)
 
 
 @pytest.mark.parametrize(
@@ -26,6 +30,11 @@ def decoder():
         (dict(prompt_ids=(1, 2), max_new_tokens=255), "exceeds the model context"),
         (dict(prompt_ids=(1, 999)), "outside the vocabulary"),
         (dict(prompt_ids=(1, 2), stop=("",)), "stop strings must be non-empty"),
+        # A lossy policy that would accept everything is refused, naming the parameter (the replica
+        # answers a ValueError with Rejected, the router with INVALID_ARGUMENT).
+        (dict(prompt_ids=(1, 2), speculation=_lossy("typical", epsilon=0.0)), r"typical policy: epsilon"),
+        (dict(prompt_ids=(1, 2), speculation=_lossy("nkl", delta_max=3.0)), r"nkl policy: delta_max"),
+        (dict(prompt_ids=(1, 2), speculation=_lossy("semantic", threshold=0.1)), r"semantic policy: threshold"),
     ],
 )
 def test_bad_requests(decoder, kwargs, message):
