@@ -29,6 +29,7 @@ from draftmesh.io_struct import Rejected, ServedResult, ServeRequest, StepEvent
 from draftmesh.metrics import RayMetrics
 from draftmesh.router.auth import ApiKeyAuth
 from draftmesh.router.errors import RpcError
+from draftmesh.router.http_face import HttpFace, http_app
 from draftmesh.router.responses import report_to_proto, result_to_proto, step_to_proto
 from draftmesh.router.telemetry import RouterMetrics, RpcCall
 from draftmesh.router.validation import InvalidRequest, parse_factcheck, parse_request
@@ -45,7 +46,8 @@ def mesh_source_names(cfg: DraftmeshConfig) -> list[str]:
 
 
 @serve.deployment(name="router", health_check_period_s=10)
-class Router:
+@serve.ingress(http_app)
+class Router(HttpFace):
     def __init__(self, config: dict, verifier) -> None:
         tracing.setup_tracing("router")
         self._started = int(time.time())
