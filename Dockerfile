@@ -7,7 +7,7 @@
 # (services/factcheck/Dockerfile) and container, hence `--factcheck-workers 0`.
 #
 #   docker build -t draftmesh .
-#   docker run --rm -p 9000:9000 -p 8080:8080 -e REDIS_URL=redis://host:6379/0 draftmesh
+#   docker run --rm -p 9000:9000 -p 8000:8000 -p 8080:8080 -e REDIS_URL=redis://host:6379/0 draftmesh
 #
 # Without REDIS_URL the mesh starts its own embedded redis-server; docker-compose.yml wires Redis,
 # Jaeger and the worker. These files are validated by tests/deploy, not built on the dev machines
@@ -103,12 +103,13 @@ ENV PATH=/opt/venv/bin:$PATH \
 USER 10001:10001
 WORKDIR /home/draftmesh
 
-# 9000: gRPC (draftmesh.v1.Generation and Serve's health methods); 8080: Prometheus /metrics.
-EXPOSE 9000 8080
+# 9000: gRPC (draftmesh.v1.Generation and Serve's health methods); 8000: the OpenAI-compatible HTTP API;
+# 8080: Prometheus /metrics.
+EXPOSE 9000 8000 8080
 
 # Ray, Serve and the models take a while on a CPU; docker-compose.yml restates this check.
 HEALTHCHECK --interval=15s --timeout=10s --start-period=300s --retries=5 \
     CMD ["draftmesh", "health", "--addr", "localhost:9000", "--timeout", "5"]
 
 ENTRYPOINT ["draftmesh"]
-CMD ["serve", "--grpc-port", "9000", "--metrics-port", "8080", "--factcheck-workers", "0"]
+CMD ["serve", "--grpc-port", "9000", "--http-port", "8000", "--metrics-port", "8080", "--factcheck-workers", "0"]

@@ -170,7 +170,8 @@ def cmd_serve(args: argparse.Namespace) -> int:
         auth = " with API keys" if cfg.serve.api_keys or cfg.serve.api_keys_file else ""
         metrics = f"; metrics http://{mesh.metrics_address}/metrics" if mesh.metrics_address else ""
         traces = f"; traces to {tracing.configured_endpoint()}" if tracing.configured_by_env() else ""
-        print(f"draftmesh: serving {cfg.engine.model} on {mesh.address}{tls} (gRPC draftmesh.v1.Generation{auth}); "
+        http = f"; OpenAI-compatible HTTP API on http://{mesh.http_address}/v1{auth}" if mesh.http_address else ""
+        print(f"draftmesh: serving {cfg.engine.model} on {mesh.address}{tls} (gRPC draftmesh.v1.Generation{auth}){http}; "
               f"redis {mesh.config.serve.redis_url}{metrics}{traces}; ready in {mesh.started_s:.1f}s. Ctrl-C to stop.",
               flush=True)
         stop.wait()

@@ -85,6 +85,28 @@ def _compare(client, name: str, request, out: TextIO, *, echo: bool = False, lab
     )
 
 
+def _http_request(client, http_address: str, api_key: str | None, model: str, max_new_tokens: int, out: TextIO) -> None:
+    """One request through the OpenAI-compatible HTTP face, as curl would send it, beside gRPC's answer."""
+    import json
+    import urllib.request
+
+    messages = [{"role": "user", "content": REPEAT_QUESTION}]
+    body = {"model": model, "messages": messages, "max_tokens": max_new_tokens, "temperature": 0}
+    headers = {"Content-Type": "application/json", **({"Authorization": f"Bearer {api_key}"} if api_key else {})}
+    url = f"http://{http_address}/v1/chat/completions"
+    print(f"\n--- the same question through the OpenAI-compatible HTTP API: POST {url} ---", file=out)
+    t0 = time.perf_counter()
+    with urllib.request.urlopen(urllib.request.Request(url, json.dumps(body).encode(), headers), timeout=600) as r:
+        answer = json.loads(r.read())
+    seconds = time.perf_counter() - t0
+    text = answer["choices"][0]["message"]["content"]
+    want = client.complete(build_request(messages=messages, max_new_tokens=max_new_tokens)).text
+    dm = answer["draftmesh"]
+    print(f"{text}\n---\nHTTP face: {answer['usage']['completion_tokens']} tokens in {seconds:.2f}s, "
+          f"{dm['tokens_per_step']:.2f} tokens/step, identical to gRPC Complete: {'yes' if text == want else 'NO'}",
+          file=out, flush=True)
+
+
 def run_mesh_demo(cfg: DraftmeshConfig, *, addr: str | None = None, api_key: str | None = None,
                   max_new_tokens: int = 160, out: TextIO = sys.stdout) -> dict[str, Any]:
     running = None
@@ -112,6 +134,8 @@ def run_mesh_demo(cfg: DraftmeshConfig, *, addr: str | None = None, api_key: str
                                 session_id="demo-user")
             rows.append(_compare(client, "question, first time", ask, out))
             rows.append(_compare(client, "same question again", ask, out, label="same question again (answer store)"))
+            if running is not None and running.http_address:
+                _http_request(client, running.http_address, api_key, cfg.engine.model, max_new_tokens, out)
     finally:
         if running is not None:
             running.stop()

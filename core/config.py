@@ -264,6 +264,7 @@ class LimitsConfig:
     max_policy_key_chars: int = option(64, min=1, help="longest policy parameter name")
     max_policy_value_chars: int = option(256, min=1, help="longest policy parameter value")
     max_factcheck_wait_ms: int = option(60000, min=0, help="longest fact-check wait a request may ask for")
+    max_body_bytes: int = option(8 * 1024 * 1024, min=1024, help="largest HTTP request body, in bytes (beyond: 413)")
 
     def __post_init__(self) -> None:
         check_fields(self)
@@ -279,6 +280,11 @@ class ServeConfig:
     SECTION: ClassVar[str] = "serve"
 
     grpc_port: int = option(9000, min=1, max=65535, help="public gRPC port")
+    http_port: int = option(
+        8000, min=0, max=65535,
+        help="public HTTP port of the OpenAI-compatible API (/v1/chat/completions, /v1/completions; 0: off, "
+             "Serve's HTTP proxy then listens on loopback only)",
+    )
     metrics_port: int = option(
         0, min=0, max=65535,
         help="Prometheus metrics port (/metrics) of the local Ray cluster `serve` starts (0: a free port, logged); "

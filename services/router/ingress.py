@@ -1,6 +1,7 @@
-"""The router: the Ray Serve ingress behind Serve's gRPC proxy (service draftmesh.v1.Generation).
+"""The router: the Ray Serve ingress behind Serve's gRPC proxy (service draftmesh.v1.Generation)
+and its HTTP proxy (the OpenAI-compatible API, ``http_face``): one deployment, one code path.
 
-Per request it authenticates, validates every field, admits or refuses (a bounded number
+Per request, whichever face it came in by, it authenticates, validates every field, admits or refuses (a bounded number
 in flight, never an unbounded queue), then makes ONE streaming call to the verifier pool
 and relays its steps. A client that cancels or runs out of deadline cancels that call, and
 the verifier stops before its next step.
@@ -10,7 +11,10 @@ from __future__ import annotations
 
 import asyncio
 import logging
-from typing import AsyncIterator
+import re
+import time
+from contextlib import contextmanager
+from typing import Any, AsyncIterator, Iterable, Iterator
 
 import grpc
 from ray import serve
@@ -24,6 +28,8 @@ from draftmesh.factcheck.protocol import annotation_id_for_text
 from draftmesh.io_struct import Rejected, ServedResult, ServeRequest, StepEvent
 from draftmesh.metrics import RayMetrics
 from draftmesh.router.auth import ApiKeyAuth
+from draftmesh.router.errors import RpcError
+from draftmesh.router.http_face import HttpFace, http_app
 from draftmesh.router.responses import report_to_proto, result_to_proto, step_to_proto
 from draftmesh.router.telemetry import RouterMetrics, RpcCall
 from draftmesh.router.validation import InvalidRequest, parse_factcheck, parse_request
@@ -33,18 +39,6 @@ from draftmesh.verify.policy import available_policies
 log = logging.getLogger(__name__)
 
 
-class RpcError(Exception):
-    """Ends an RPC with ``code``; Serve's proxy sends the code and details set on the context."""
-
-    def __init__(self, code: grpc.StatusCode, details: str) -> None:
-        super().__init__(code, details)  # both in args, so Ray can pickle it to the proxy
-        self.code = code
-        self.details = details
-
-    def __str__(self) -> str:
-        return f"{self.code.name}: {self.details}"
-
-
 def mesh_source_names(cfg: DraftmeshConfig) -> list[str]:
     """The draft sources a request may name: the verifier's own and the remote ones."""
     local = list(registry.DEFAULT_SOURCES if cfg.sources.names is None else cfg.sources.names)
@@ -52,9 +46,11 @@ def mesh_source_names(cfg: DraftmeshConfig) -> list[str]:
 
 
 @serve.deployment(name="router", health_check_period_s=10)
-class Router:
+@serve.ingress(http_app)
+class Router(HttpFace):
     def __init__(self, config: dict, verifier) -> None:
         tracing.setup_tracing("router")
+        self._started = int(time.time())
         cfg = DraftmeshConfig.from_dict(config)
         self.cfg = cfg
         self.verifier = verifier
@@ -71,11 +67,11 @@ class Router:
 
     # ------------------------------------------------------------------ RPCs
     async def Generate(self, request: pb.GenerateRequest, grpc_context: RayServegRPCContext) -> AsyncIterator[pb.GenerateResponse]:
-        with self._call("Generate", grpc_context) as call:
-            req = self._admit(request, grpc_context, call)
+        with self._call("Generate", grpc_context) as call, _status_on(grpc_context):
+            req = self._admit(request, grpc_context.invocation_metadata(), call)
             try:
                 step = 0
-                async for event in self._events(req, grpc_context):
+                async for event in self._events(req):
                     if isinstance(event, StepEvent):
                         step += 1
                         call.step()
@@ -87,33 +83,28 @@ class Router:
                 self._release()
 
     async def Complete(self, request: pb.GenerateRequest, grpc_context: RayServegRPCContext) -> pb.GenerateResult:
-        with self._call("Complete", grpc_context) as call:
-            req = self._admit(request, grpc_context, call)
+        with self._call("Complete", grpc_context) as call, _status_on(grpc_context):
+            req = self._admit(request, grpc_context.invocation_metadata(), call)
             try:
-                async for event in self._events(req, grpc_context):
-                    if isinstance(event, ServedResult):
-                        call.result(event)
-                        return result_to_proto(event, req.request_id)
-                    call.step()
-                raise self._fail(grpc_context, grpc.StatusCode.INTERNAL, "the verifier ended without a result")
+                return result_to_proto(await self._result(req, call), req.request_id)
             finally:
                 self._release()
 
     async def FactCheck(self, request: pb.FactCheckRequest, grpc_context: RayServegRPCContext) -> pb.FactCheckReport:
         """Check a text now (through the workers), or fetch an earlier output's annotations by id."""
         # The span is current here (no yield crosses it); its status comes from the code, not the exception.
-        with (self._call("FactCheck", grpc_context) as call,
+        with (self._call("FactCheck", grpc_context) as call, _status_on(grpc_context),
               tracing.use_span(call.span, record_exception=False, set_status_on_exception=False)):
-            return await self._factcheck(request, grpc_context)
+            return await self._factcheck(request, grpc_context.invocation_metadata())
 
-    async def _factcheck(self, request: pb.FactCheckRequest, grpc_context: RayServegRPCContext) -> pb.FactCheckReport:
-        self._authenticate(grpc_context)
+    async def _factcheck(self, request: pb.FactCheckRequest, metadata: Iterable[tuple[str, Any]]) -> pb.FactCheckReport:
+        self._authenticate(metadata)
         if self.factcheck_client is None:
-            raise self._fail(grpc_context, grpc.StatusCode.FAILED_PRECONDITION, "the fact-check service is off in this mesh")
+            raise RpcError(grpc.StatusCode.FAILED_PRECONDITION, "the fact-check service is off in this mesh")
         try:
             text, annotation_id, wait_ms = parse_factcheck(request, self.limits)
         except InvalidRequest as exc:
-            raise self._fail(grpc_context, grpc.StatusCode.INVALID_ARGUMENT, str(exc))
+            raise RpcError(grpc.StatusCode.INVALID_ARGUMENT, str(exc), exc.field)
         wait_s = (self.cfg.factcheck.wait_ms if wait_ms is None else wait_ms) / 1000
         try:
             if text:
@@ -122,11 +113,11 @@ class Router:
             else:
                 annotation = await asyncio.to_thread(self._fetch, annotation_id, wait_s)
         except FactCheckNotFound as exc:
-            raise self._fail(grpc_context, grpc.StatusCode.NOT_FOUND, str(exc))
+            raise RpcError(grpc.StatusCode.NOT_FOUND, str(exc))
         except FactCheckBusy as exc:
-            raise self._fail(grpc_context, grpc.StatusCode.RESOURCE_EXHAUSTED, f"fact-check service busy: {exc}; retry later")
+            raise RpcError(grpc.StatusCode.RESOURCE_EXHAUSTED, f"fact-check service busy: {exc}; retry later")
         except FactCheckUnavailable as exc:
-            raise self._fail(grpc_context, grpc.StatusCode.UNAVAILABLE, f"fact-check service unavailable: {exc}")
+            raise RpcError(grpc.StatusCode.UNAVAILABLE, f"fact-check service unavailable: {exc}")
         if annotation is None:
             return pb.FactCheckReport(status="pending", annotation_id=annotation_id,
                                       error="no annotation yet: still queued, unknown or expired")
@@ -138,26 +129,34 @@ class Router:
             raise FactCheckUnavailable("Redis unreachable")
         return found
 
-    # ------------------------------------------------------------------ steps of a request
-    def _authenticate(self, ctx: RayServegRPCContext) -> None:
-        reason = self.auth.check(ctx.invocation_metadata())
+    # ------------------------------------------------------------------ steps of a request (both faces)
+    def _authenticate(self, metadata: Iterable[tuple[str, Any]] | None) -> None:
+        """``metadata``: gRPC invocation metadata or HTTP headers, (name, value) pairs."""
+        reason = self.auth.check(metadata)
         if reason is not None:
-            raise self._fail(ctx, grpc.StatusCode.UNAUTHENTICATED, reason)
+            raise RpcError(grpc.StatusCode.UNAUTHENTICATED, reason)
 
     def _call(self, method: str, ctx: RayServegRPCContext) -> RpcCall:
-        if self.factcheck_client is not None and self._lag_watch is None:
-            self._lag_watch = asyncio.get_running_loop().create_task(self._watch_factcheck_lag())
+        self._start_lag_watch()
         return RpcCall(method, ctx.invocation_metadata(), self.metrics)
 
-    def _admit(self, request: pb.GenerateRequest, ctx: RayServegRPCContext, call: RpcCall) -> ServeRequest:
-        self._authenticate(ctx)
+    def _start_lag_watch(self) -> None:
+        if self.factcheck_client is not None and self._lag_watch is None:
+            self._lag_watch = asyncio.get_running_loop().create_task(self._watch_factcheck_lag())
+
+    def _admit(self, request: pb.GenerateRequest, metadata: Iterable[tuple[str, Any]] | None, call: RpcCall,
+               request_id: str | None = None, authenticated: bool = False) -> ServeRequest:
+        """Authenticate (unless done), validate, admit: the ServeRequest to run (call ``_release`` when it ends).
+        ``request_id``: the server's id for it (the HTTP face's x-request-id), used when the request has none."""
+        if not authenticated:
+            self._authenticate(metadata)
         try:
-            req = parse_request(request, self.limits, sources=self.sources, policies=self.policies)
+            req = parse_request(request, self.limits, sources=self.sources, policies=self.policies, request_id=request_id)
         except InvalidRequest as exc:
-            raise self._fail(ctx, grpc.StatusCode.INVALID_ARGUMENT, str(exc))
+            raise RpcError(grpc.StatusCode.INVALID_ARGUMENT, str(exc), exc.field)
         if self.in_flight >= self.cfg.serve.max_in_flight:
-            raise self._fail(ctx, grpc.StatusCode.RESOURCE_EXHAUSTED,
-                             f"server busy: {self.in_flight} requests in flight (limit {self.cfg.serve.max_in_flight}); retry later")
+            raise RpcError(grpc.StatusCode.RESOURCE_EXHAUSTED,
+                           f"server busy: {self.in_flight} requests in flight (limit {self.cfg.serve.max_in_flight}); retry later")
         self.in_flight += 1
         self.metrics.in_flight.set(self.in_flight)
         call.admitted(req.request_id, req.speculation.policy)
@@ -176,8 +175,17 @@ class Router:
                 log.debug("fact-check lag unavailable: %r", exc)
             await asyncio.sleep(period_s)
 
-    async def _events(self, req: ServeRequest, ctx: RayServegRPCContext):
-        """The verifier's events; a replica lost before its first event is retried once."""
+    async def _result(self, req: ServeRequest, call: RpcCall) -> ServedResult:
+        """Run an admitted request to its end."""
+        async for event in self._events(req):
+            if isinstance(event, ServedResult):
+                call.result(event)
+                return event
+            call.step()
+        raise RpcError(grpc.StatusCode.INTERNAL, "the verifier ended without a result")
+
+    async def _events(self, req: ServeRequest):
+        """The verifier's events (ONE streaming call); a replica lost before its first event is retried once."""
         for attempt in (1, 2):
             handle = self.verifier.options(stream=True, multiplexed_model_id=req.session_id or "")
             stream = handle.generate.remote(req)
@@ -185,8 +193,9 @@ class Router:
             try:
                 async for event in stream:
                     if isinstance(event, Rejected):
-                        code = grpc.StatusCode.RESOURCE_EXHAUSTED if event.reason == "busy" else grpc.StatusCode.INVALID_ARGUMENT
-                        raise self._fail(ctx, code, event.message)
+                        if event.reason == "busy":  # the replica's KV budget or queue
+                            raise RpcError(grpc.StatusCode.RESOURCE_EXHAUSTED, event.message)
+                        raise RpcError(grpc.StatusCode.INVALID_ARGUMENT, event.message, _rejected_field(event.message))
                     started = True
                     yield event
                 return
@@ -197,16 +206,33 @@ class Router:
                     log.warning("verifier replica lost before request %s started; retrying: %r", req.request_id, exc)
                     continue
                 log.error("request %s failed in the verifier: %r", req.request_id, exc)
-                raise self._fail(ctx, grpc.StatusCode.UNAVAILABLE if _is_replica_loss(exc) else grpc.StatusCode.INTERNAL,
-                                 f"verifier failed: {type(exc).__name__}: {str(exc)[:300]}")
+                raise RpcError(grpc.StatusCode.UNAVAILABLE if _is_replica_loss(exc) else grpc.StatusCode.INTERNAL,
+                               f"verifier failed: {type(exc).__name__}: {str(exc)[:300]}")
             finally:
                 stream.cancel()
 
-    @staticmethod
-    def _fail(ctx: RayServegRPCContext, code: grpc.StatusCode, details: str) -> RpcError:
-        ctx.set_code(code)
-        ctx.set_details(details)
-        return RpcError(code, details)
+
+@contextmanager
+def _status_on(ctx: RayServegRPCContext) -> Iterator[None]:
+    """The gRPC face: an RpcError's code and details go on the call (Serve's proxy sends them)."""
+    try:
+        yield
+    except RpcError as exc:
+        ctx.set_code(exc.code)
+        ctx.set_details(exc.details)
+        raise
+
+
+_REJECTED_FIELDS = re.compile(r"\b(max_new_tokens|prompt|stop|speculation\.\w+|documents)\b")
+
+
+def _rejected_field(message: str) -> str | None:
+    """The request field a verifier's refusal is about, when its message names one (context: the prompt
+    plus max_new_tokens; an unknown source)."""
+    if "draft source" in message:
+        return "speculation.sources"
+    found = _REJECTED_FIELDS.findall(message)
+    return "max_new_tokens" if "max_new_tokens" in found else (found[0] if found else None)
 
 
 def _is_replica_loss(exc: BaseException) -> bool:

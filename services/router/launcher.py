@@ -27,13 +27,15 @@ log = logging.getLogger(__name__)
 class RunningMesh:
     config: DraftmeshConfig
     address: str
-    """Where clients connect (host:port)."""
+    """Where gRPC clients connect (host:port)."""
     started_s: float
     """Seconds from start_mesh() to the app answering."""
     redis: Any = None
     """The embedded redis-server this mesh started, if it started one."""
     factcheck_workers: Any = None
     """The fact-check worker processes this mesh started, if any."""
+    http_address: str = ""
+    """Where HTTP clients (the OpenAI-compatible API) connect (host:port); empty when serve.http_port is 0."""
     metrics_address: str = ""
     """Where Prometheus scrapes this node's metrics (host:port, path /metrics), if known."""
     _cleanup: list[Callable[[], Any]] = field(default_factory=list, repr=False)
@@ -94,9 +96,12 @@ def start_mesh(cfg: DraftmeshConfig, *, ray_init: dict[str, Any] | None = None) 
 
         tls = serve_cfg.tls_cert is not None
         proxy_port = free_port() if tls else serve_cfg.grpc_port
+        # The HTTP face off: Serve's HTTP proxy still runs (it is the gRPC proxy's process) on loopback only.
+        http_on = serve_cfg.http_port != 0
+        http_options = {"host": "0.0.0.0", "port": serve_cfg.http_port} if http_on else {"host": "127.0.0.1", "port": free_port()}
         serve.start(
             grpc_options=gRPCOptions(port=proxy_port, grpc_servicer_functions=GRPC_SERVICER_FUNCTIONS),
-            http_options={"host": "127.0.0.1", "port": free_port()},
+            http_options=http_options,
             logging_config={"log_level": serve_cfg.log_level},
         )
         if serve_cfg.address is None:
@@ -114,6 +119,7 @@ def start_mesh(cfg: DraftmeshConfig, *, ray_init: dict[str, Any] | None = None) 
         if workers is not None:
             workers.wait_ready()
         running.address = address
+        running.http_address = f"localhost:{serve_cfg.http_port}" if http_on else ""
         running.started_s = time.perf_counter() - t0
         return running
     except BaseException:

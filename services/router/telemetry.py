@@ -1,8 +1,8 @@
-"""What the router reports about each RPC: its server span (the root of the request's trace,
-or a child of the client's ``traceparent``) and its request metrics.
+"""What the router reports about each RPC or HTTP request: its server span (the root of the
+request's trace, or a child of the client's ``traceparent``) and its request metrics.
 
-Serve's gRPC proxy hands the router the caller's metadata, so the W3C context a client sent
-(an OpenTelemetry-instrumented channel) is extracted here by hand.
+Serve's proxies hand the router the caller's gRPC metadata or HTTP headers, so the W3C context a
+client sent (an OpenTelemetry-instrumented channel or HTTP client) is extracted here by hand.
 """
 
 from __future__ import annotations
@@ -17,6 +17,7 @@ from opentelemetry import trace
 from draftmesh import tracing
 from draftmesh.io_struct import ServedResult
 from draftmesh.metrics import LATENCY_BUCKETS_S, MetricsBackend
+from draftmesh.router.errors import http_status
 
 SERVICE = "draftmesh.v1.Generation"
 SERVER_FAULTS = {grpc.StatusCode.UNKNOWN, grpc.StatusCode.DEADLINE_EXCEEDED, grpc.StatusCode.UNIMPLEMENTED,
@@ -35,6 +36,10 @@ class RouterMetrics:
                                              LATENCY_BUCKETS_S, ())
         self.tokens = backend.counter("draftmesh_generated_tokens", "tokens generated, by acceptance policy", ("policy",))
         self.lenient = backend.counter("draftmesh_lenient_tokens", "tokens only a lossy policy accepted", ("policy",))
+        self.http_requests = backend.counter("draftmesh_http_requests", "HTTP requests answered, by endpoint and status code",
+                                             ("endpoint", "status"))
+        self.http_seconds = backend.histogram("draftmesh_http_request_seconds", "HTTP request duration, by endpoint",
+                                              LATENCY_BUCKETS_S, ("endpoint",))
         self.in_flight = backend.gauge("draftmesh_router_in_flight", "requests admitted by this router replica and not finished", ())
         self.factcheck_lag = backend.gauge("draftmesh_factcheck_lag", "span-stream entries the fact-check workers have not read", ())
 
@@ -49,9 +54,12 @@ class RpcCall:
         self.code = grpc.StatusCode.OK
         self.t0 = time.perf_counter()
         self.first_token_s: float | None = None
-        self.span = _tracer.start_span(
-            f"{SERVICE}/{method}", context=tracing.from_metadata(metadata), kind=tracing.SpanKind.SERVER,
-            attributes={"rpc.system": "grpc", "rpc.service": SERVICE, "rpc.method": method},
+        self.span = self._start_span(metadata)
+
+    def _start_span(self, metadata: Any):
+        return _tracer.start_span(
+            f"{SERVICE}/{self.method}", context=tracing.from_metadata(metadata), kind=tracing.SpanKind.SERVER,
+            attributes={"rpc.system": "grpc", "rpc.service": SERVICE, "rpc.method": self.method},
         )
 
     def __enter__(self) -> "RpcCall":
@@ -115,3 +123,35 @@ class RpcCall:
         if self.metrics is not None:
             self.metrics.requests.inc(1, {"method": self.method, "code": self.code.name})
             self.metrics.seconds.observe(time.perf_counter() - self.t0, {"method": self.method})
+
+
+class HttpCall(RpcCall):
+    """One HTTP request of the OpenAI-compatible face: an HTTP server span named after its route
+    and the HTTP metrics; the router's steps still raise gRPC codes, mapped to an HTTP status at the end
+    (``status`` set by the face for what it answers itself, e.g. a 404 model or a 400 body)."""
+
+    def __init__(self, route: str, headers: Any, metrics: RouterMetrics | None, http_method: str = "POST") -> None:
+        self.http_method = http_method
+        self.status: int | None = None
+        super().__init__(route, headers, metrics)
+
+    def _start_span(self, headers: Any):
+        return _tracer.start_span(
+            f"{self.http_method} {self.method}", context=tracing.from_metadata(headers), kind=tracing.SpanKind.SERVER,
+            attributes={"http.request.method": self.http_method, "http.route": self.method, "url.scheme": "http"},
+        )
+
+    def http_status(self) -> int:
+        if self.status is not None:
+            return self.status
+        return 200 if self.code == grpc.StatusCode.OK else http_status(self.code)[0]
+
+    def end(self) -> None:
+        status = self.http_status()
+        self.span.set_attribute("http.response.status_code", status)
+        if status >= 500:
+            self.span.set_status(trace.Status(trace.StatusCode.ERROR))
+        self.span.end()
+        if self.metrics is not None:
+            self.metrics.http_requests.inc(1, {"endpoint": self.method, "status": str(status)})
+            self.metrics.http_seconds.observe(time.perf_counter() - self.t0, {"endpoint": self.method})

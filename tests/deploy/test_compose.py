@@ -198,7 +198,7 @@ def test_mesh_ports_match_its_config_and_image(services, monkeypatch, clean_env)
     cfg = _mesh_config(services, monkeypatch, clean_env)
     ports = [parse_port(p) for p in services[MESH]["ports"]]
     targets = {target for _, _, target, _ in ports}
-    assert targets == {cfg.serve.grpc_port, cfg.serve.metrics_port}
+    assert targets == {cfg.serve.grpc_port, cfg.serve.http_port, cfg.serve.metrics_port}
     assert all(published == target for _, published, target, _ in ports), "the documented host ports"
     assert cfg.serve.metrics_port != 0
     assert targets <= _dockerfile(services[MESH]).exposed_ports()

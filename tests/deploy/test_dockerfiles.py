@@ -354,7 +354,7 @@ def test_mesh_command_parses_into_a_valid_mesh_config(mesh, monkeypatch):
     cfg = config_from_args(args)
     assert cfg.factcheck.workers == 0, "the worker runs in its own container"
     assert cfg.serve.metrics_port != 0, "a published metrics port must be fixed, not random"
-    assert mesh.exposed_ports() == {cfg.serve.grpc_port, cfg.serve.metrics_port}
+    assert mesh.exposed_ports() == {cfg.serve.grpc_port, cfg.serve.http_port, cfg.serve.metrics_port}
 
 
 def test_worker_command_parses_with_the_worker_parser(worker, monkeypatch):

@@ -50,6 +50,7 @@ VALUE_SETS: dict[str, dict[str, Any]] = {
         "monitoring": {"enabled": True, "labels": {"release": "prometheus"}},
     },
     "factcheck-off": {"factcheck": {"enabled": False}},
+    "http-off": {"http": {"enabled": False}},
     # Most knobs at once: autoscaling, keys from values, a draft LLM deployment on a GPU
     # fraction, an external gRPC source, worker options, extra config fields by section, an external
     # collector over OTLP/HTTP, Redis persistence.

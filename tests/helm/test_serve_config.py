@@ -49,6 +49,8 @@ def expected_settings(r: Rendered) -> dict[str, Any]:
             "router_replicas": v["router"]["replicas"],
             "max_in_flight": v["router"]["maxInFlight"],
             "grpc_port": v["grpc"]["port"],
+            # Serve's HTTP proxy is on 8000 either way (KubeRay probes it); 0: the API is off.
+            "http_port": 8000 if v["http"]["enabled"] else 0,
             # On an existing cluster, metrics_port documents the nodes' own metrics export port.
             "metrics_port": int(head_params["metrics-export-port"]),
             "redis_url": expected_redis_url(r),

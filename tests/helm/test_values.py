@@ -20,7 +20,7 @@ from helm.chart import CHART_DIR, NAMESPACE, RELEASE, chart
 # Config fields the chart sets from its structured values (the rest go through meshConfig).
 CHART_OWNED = {
     "engine.model", "engine.device", "engine.dtype", "sources.names", "sources.options", "sources.remote",
-    "serve.grpc_port", "serve.metrics_port", "serve.verifier_replicas", "serve.verifier_num_gpus",
+    "serve.grpc_port", "serve.http_port", "serve.metrics_port", "serve.verifier_replicas", "serve.verifier_num_gpus",
     "serve.verifier_num_cpus", "serve.verifier_max_ongoing", "serve.router_replicas", "serve.max_in_flight",
     "serve.redis_url", "serve.log_level", "serve.api_keys_file", "factcheck.enabled", "factcheck.workers",
 } | {f"factcheck.{leaf.name}" for leaf in leaves(FactCheckConfig)}  # the workers' options (factcheck.options)

@@ -236,7 +236,10 @@ RAY_INTERNAL_PORTS = (6379, 8265, 10001, 8000, 8080, 52365, 10002)
 def test_network_policies_isolate_the_release(rendered):
     policies = rendered.of_kind("NetworkPolicy")
     pods = all_pods(rendered)
-    grpc_port = DraftmeshConfig.from_dict(rendered.mesh_args).serve.grpc_port
+    serve = DraftmeshConfig.from_dict(rendered.mesh_args).serve
+    grpc_port, http_on = serve.grpc_port, rendered.merged["http"]["enabled"]
+    assert serve.http_port == (8000 if http_on else 0)
+    internal = [p for p in RAY_INTERNAL_PORTS if not (http_on and p == 8000)]
     for pod in pods:
         assert isolated(policies, pod), f"{pod.owner} accepts anything: no NetworkPolicy selects it"
     for pod in pods:
@@ -245,7 +248,9 @@ def test_network_policies_isolate_the_release(rendered):
         own = Source.pod(next(p.labels for p in pods if component(p) != comp))
         if comp in RAY_COMPONENTS:
             assert ingress_allowed(policies, pod, OUTSIDER, grpc_port), f"{pod.owner}: gRPC must be reachable"
-            for port in RAY_INTERNAL_PORTS:
+            assert ingress_allowed(policies, pod, OUTSIDER, 8000) == http_on, f"{pod.owner}: the HTTP API"
+            assert ingress_allowed(policies, pod, own, 8000)
+            for port in internal:
                 assert not ingress_allowed(policies, pod, OUTSIDER, port), f"{pod.owner}:{port} open to outsiders"
                 assert not ingress_allowed(policies, pod, OTHER_RELEASE, port), f"{pod.owner}:{port} open to another release"
                 assert ingress_allowed(policies, pod, own, port), f"{pod.owner}:{port} closed to the release's pods"
@@ -293,6 +298,18 @@ def test_the_grpc_service_reaches_the_serving_ray_pods(rendered):
         # Pods whose proxy KubeRay has not marked healthy get no traffic.
         for pod in ray_pods(rendered, serving=False):
             assert not service_matches(svc["spec"]["selector"], pod.labels)
+
+
+def test_the_http_service_reaches_the_serving_ray_pods_when_the_api_is_on(rendered):
+    services = [s for s in rendered.of_kind("Service") if s["metadata"]["name"].endswith("-http")]
+    if not rendered.merged["http"]["enabled"]:
+        assert not services
+        return
+    (svc,) = services
+    backends = service_backends(rendered, svc)
+    assert backends and {component(p) for p, _ in backends} <= set(RAY_COMPONENTS)
+    assert {port for _, port in backends} == {8000}  # Serve's HTTP proxy (http_options in serveConfigV2)
+    assert rendered.serve_config["http_options"]["port"] == 8000
 
 
 # --------------------------------------------------------------------------- KubeRay's login shell

@@ -65,7 +65,7 @@ def mesh(external_source, otlp):
     small = {"num_cpus": 0.1}
     cfg = DraftmeshConfig.from_dict({
         "engine": {"threads": 2},
-        "serve": {"grpc_port": free_port(), "verifier_num_cpus": 0.5, "max_in_flight": 8, "api_keys": [API_KEY]},
+        "serve": {"grpc_port": free_port(), "http_port": 0, "verifier_num_cpus": 0.5, "max_in_flight": 8, "api_keys": [API_KEY]},
         "sources": {"remote": {
             "boom": {"factory": "mesh_sources:raising", "deployment": small},
             "stuck": {"factory": "mesh_sources:hanging", "deployment": small},

@@ -238,6 +238,7 @@ sections and keys a `draftmesh serve --config` file would hold for the same sett
 {{- end -}}
 {{- $serve := dict
   "grpc_port" $v.grpc.port
+  "http_port" (ternary 8000 0 $v.http.enabled)
   "metrics_port" 8080
   "verifier_replicas" $v.verifier.replicas
   "verifier_num_gpus" $v.verifier.numGpus
