@@ -65,6 +65,16 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         "--max-new-tokens", type=positive_int, default=None, metavar="N",
         help="replace every item's max_new_tokens with N",
     )
+    parser.add_argument(
+        "--concurrency", default=None, metavar="LIST",
+        help="e.g. 1,2,4,8,16: a closed-loop load test instead of the single-stream comparison; per C and method "
+             "(plain-serial, plain, draftmesh) aggregate tokens/s, p50/p95 latency and time to first token, batch rows "
+             "and tokens per forward",
+    )
+    parser.add_argument(
+        "--prefill-probe-tokens", type=int, default=2048, metavar="N",
+        help="with --concurrency: a short request's time to first token while an N-token prompt prefills (0: off)",
+    )
     parser.add_argument("--no-cost-curve", action="store_true", help="skip measuring the target's cost curve")
     parser.add_argument("--no-progress", action="store_true", help="no progress bar")
     # The model, its threads and the tree builder come from the config (--config FILE, DRAFTMESH_*,

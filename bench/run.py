@@ -107,6 +107,8 @@ def run(args: argparse.Namespace) -> int:
             prepared = prepare_items(items, target, opt("max_new_tokens"))
         except (ValueError, FileNotFoundError, OSError) as exc:
             return _error(str(exc))
+        if opt("concurrency"):
+            return _run_concurrency(args, cfg, target, prepared, threads)
         if mesh_methods and not opt("addr") and injected is not None:
             return _error("--target mesh without --addr starts a mesh for --model, which must be a model spec")
         mesh_info: dict[str, Any] | None = None
@@ -197,6 +199,41 @@ def run(args: argparse.Namespace) -> int:
         return EXIT_MISMATCH if any(r.identical_to_plain is False and not r.other_engine for r in results) else EXIT_OK
     finally:
         torch.set_num_threads(old_threads)
+
+
+def _run_concurrency(args, cfg, target, prepared, threads: int) -> int:
+    from draftmesh.bench.concurrency import (  # lazy: only this mode needs it
+        CONCURRENCY_METHODS,
+        format_concurrency,
+        plot_concurrency,
+        run_concurrency,
+    )
+
+    opt = lambda name, default=None: getattr(args, name, default)  # noqa: E731
+    try:
+        levels = [int(x) for x in str(opt("concurrency")).split(",") if x.strip()]
+        if not levels or min(levels) < 1:
+            raise ValueError
+    except ValueError:
+        return _error(f"--concurrency: a comma-separated list of positive integers, got {opt('concurrency')!r}")
+    methods = list(CONCURRENCY_METHODS)
+    print(f"draftmesh bench --concurrency {','.join(map(str, levels))}: {len(prepared)} items, methods {', '.join(methods)}")
+    report = run_concurrency(target, prepared, levels, methods, engine=cfg.engine, builder=cfg.builder,
+                             source_options=cfg.sources.options, repeats=opt("repeats") or 1,
+                             probe_tokens=opt("prefill_probe_tokens"))
+    report["meta"] = {"date": datetime.now(timezone.utc).isoformat(timespec="seconds"),
+                      "command": opt("command_line") or command_line("draftmesh bench"), "machine": machine_info(),
+                      "model": cfg.engine.model, "threads": threads, "dtype": str(target.dtype).replace("torch.", ""),
+                      "workload": {"path": str(args.workload), "items": len(prepared)}}
+    print(format_concurrency(report))
+    if opt("json"):
+        print(f"wrote {write_json(opt('json'), report)}")
+    if opt("plot"):
+        Path(opt("plot")).parent.mkdir(parents=True, exist_ok=True)
+        plot_concurrency(report, opt("plot"))
+        print(f"wrote {opt('plot')}")
+    mismatched = sum(r["outputs"] - r["identical_to_plain_serial"] for r in report["rows"])
+    return EXIT_MISMATCH if mismatched else EXIT_OK
 
 
 def cold_starts(runners, methods, model_spec: str, dtype: str, threads: int, prepared) -> dict[str, Any]:

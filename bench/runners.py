@@ -37,19 +37,28 @@ class _CountingBuilder:
         self.tokens: dict[str, int] = {}
         self.texts: dict[str, list[str]] = {}
 
-    def build(self, proposals, ctx):
+    def build(self, proposals, ctx, max_depth=None):
+        self._count(proposals)
+        return self.inner.build(proposals, ctx, max_depth) if max_depth is not None else self.inner.build(proposals, ctx)
+
+    def _count(self, proposals) -> None:
         for p in proposals:
             self.proposals[p.source] = self.proposals.get(p.source, 0) + 1
             if p.token_ids is not None:
                 self.tokens[p.source] = self.tokens.get(p.source, 0) + len(p.token_ids)
             else:  # tokenized after the run, outside the timed region
                 self.texts.setdefault(p.source, []).append(p.text)
-        return self.inner.build(proposals, ctx)
 
     def __getattr__(self, name: str):
         if name == "inner":
             raise AttributeError(name)
-        return getattr(self.inner, name)
+        attr = getattr(self.inner, name)
+        if name == "candidates":  # the batch scheduler's entry (a cost-aware builder's nodes), counted alike
+            def candidates(proposals, ctx, max_depth=None):
+                self._count(proposals)
+                return attr(proposals, ctx, max_depth)
+            return candidates
+        return attr
 
 
 class EngineRunner:

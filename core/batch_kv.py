@@ -133,6 +133,10 @@ class SlotKVCache:
         t = max(self.token_capacity, -(-tokens // CAPACITY_STEP) * CAPACITY_STEP)
         return r * t * self.bytes_per_token
 
+    def fresh_bytes_for(self, rows: int, tokens: int) -> int:
+        """What a slab of just ``rows`` rows of ``tokens`` would take (whatever is allocated now)."""
+        return _pow2(rows) * (-(-tokens // CAPACITY_STEP) * CAPACITY_STEP) * self.bytes_per_token
+
     def ensure(self, rows: int, tokens: int) -> None:
         """Grow the slab to hold ``rows`` rows of ``tokens`` each (doubling rows, whole steps of
         tokens); MemoryError when that would exceed the budget (callers check ``bytes_for`` first)."""

@@ -227,7 +227,7 @@ class SpeculativeDecoder:
             max_depth = min(remaining - 1, self.target.max_context - cache_len - 2)
             candidate = None
             try:
-                if isinstance(self.builder, CostAwareTreeBuilder):
+                if hasattr(self.builder, "candidates"):  # the batch's budget picks its nodes
                     candidate = self.builder.candidates(proposals, ctx, max_depth)
                 else:
                     plan.tree = self.builder.build(proposals, ctx).truncate_depth(max_depth)

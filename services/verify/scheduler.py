@@ -34,7 +34,7 @@ from draftmesh.backend import KVState
 from draftmesh.batch_kv import SlotKVCache
 from draftmesh.io_struct import GenerationRequest, GenerationResult, StepEvent
 from draftmesh.verify.request_run import RequestRun, StepPlan
-from draftmesh.verify.tree_builder import BatchCost, CostAwareTreeBuilder, CostModel, ScoredTree, choose_nodes
+from draftmesh.verify.tree_builder import BatchCost, CostModel, ScoredTree, choose_nodes
 
 log = logging.getLogger(__name__)
 
@@ -103,7 +103,7 @@ class BatchScheduler:
     # ------------------------------------------------------------------ callers
     def submit(self, run: RequestRun) -> Ticket:
         need = self._row_tokens(run.req)
-        if self.kv.bytes_for(1, need) > self.limits.kv_budget_bytes:
+        if self.kv.fresh_bytes_for(1, need) > self.limits.kv_budget_bytes:
             self.stats.refused += 1
             raise Busy(f"the request needs {need} tokens of KV ({need * self.kv.bytes_per_token} bytes), over the "
                        f"replica's budget of {self.limits.kv_budget_bytes} bytes (engine.kv_budget_bytes)")
@@ -125,13 +125,16 @@ class BatchScheduler:
             if ticket.done:
                 raise RuntimeError("no more events: the request has finished")
             if self._step_lock.acquire(blocking=False):
+                stepped = True
                 try:
                     if not ticket.events and ticket.error is None:
-                        self.step()
+                        stepped = self.step()
                 finally:
                     self._step_lock.release()
                 with self._progress:
                     self._progress.notify_all()
+                    if not stepped:  # nothing could run (waiting for room): do not spin
+                        self._progress.wait(timeout=0.01)
             else:
                 with self._progress:
                     if not ticket.events and ticket.error is None:
@@ -265,7 +268,10 @@ class BatchScheduler:
                 if not self._waiting or len(self._active) >= limits.max_rows:
                     return
                 ticket = self._waiting[0]
-                need = max(kv.token_capacity, self._row_tokens(ticket.run.req))
+                need = self._row_tokens(ticket.run.req)
+                if kv.rows == 0 and kv.bytes_for(1, need) > limits.kv_budget_bytes:
+                    kv.release()  # an idle slab shaped for earlier requests: start again at this one's size
+                need = max(kv.token_capacity, need)
                 slab = kv.bytes_for(kv.rows + 1, need)
                 if slab + self._pool_bytes() > limits.kv_budget_bytes and pool is not None:
                     pool.shrink_to(max(0, (limits.kv_budget_bytes - slab) // kv.bytes_per_token))
@@ -334,8 +340,6 @@ class BatchScheduler:
 
     def _batch_cost(self) -> BatchCost:
         if self._cost is None:
-            builder = self.decoder.builder
-            single = builder.cost if isinstance(builder, CostAwareTreeBuilder) else CostModel(
-                self.decoder.target.cost_curve or {1: 1.0})
+            single = getattr(self.decoder.builder, "cost", None) or CostModel(self.decoder.target.cost_curve or {1: 1.0})
             self._cost = BatchCost(single, self.decoder.target.batch_cost)
         return self._cost

@@ -166,7 +166,11 @@ def test_complete_and_generate_equal_the_in_process_engine(stub, engine):
 
 def test_faulty_sources_degrade_not_kill(stub, engine):
     """Raising and hanging draft deployments, a dead external address: same output, counted failed."""
-    prompt = COPY_PROMPT.replace("fox", "wolf")  # not in the answer store yet
+    # A sentence the model copies and no earlier test asked for: the prompt (extern's prompt lookup)
+    # drafts it, the answer store cannot (a variant of COPY_PROMPT was answered with COPY_PROMPT's
+    # answer, which the store then drafted instead, so whether extern got a node depended on test order)
+    prompt = ("Copy this sentence exactly, then stop: Mira packed three blue notebooks, a lantern and dried figs "
+              "for the long walk to Orvieto.")
     want = in_process(engine, prompt, 32)
     got = stub.Complete(chat(prompt, 32), metadata=AUTH, timeout=120)
     assert list(got.token_ids) == list(want.token_ids)

