@@ -106,7 +106,9 @@ class EngineConfig:
              "not fit waits, one that never could gets RESOURCE_EXHAUSTED",
     )
     max_batch_tokens: int = option(512, min=1, help="tokens per batched forward: roots, draft trees and prefill chunks")
-    prefill_chunk: int = option(256, min=1, help="prompt tokens of one request prefilled per step (chunked prefill)")
+    prefill_chunk: int = option(128, min=1, help="prompt tokens of one request prefilled per step (chunked prefill)")
+    prefill_while_decoding: int = option(
+        32, min=1, help="prompt tokens per step for a prompt longer than prefill_chunk while other requests decode (bounds their step time)")
     max_batch_rows: int = option(32, min=1, help="requests decoded together in one batch")
     max_waiting: int = option(256, min=0, help="requests waiting for room in the batch before RESOURCE_EXHAUSTED")
 

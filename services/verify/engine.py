@@ -97,7 +97,8 @@ def decoder_from_config(
 def batch_limits(cfg: EngineConfig) -> BatchLimits:
     """The replica's batch: KV budget, tokens per forward, prefill chunk, rows, queue."""
     return BatchLimits(kv_budget_bytes=cfg.kv_budget_bytes, max_batch_tokens=cfg.max_batch_tokens,
-                       prefill_chunk=cfg.prefill_chunk, max_rows=cfg.max_batch_rows, max_waiting=cfg.max_waiting)
+                       prefill_chunk=cfg.prefill_chunk,
+                       prefill_while_decoding=cfg.prefill_while_decoding, max_rows=cfg.max_batch_rows, max_waiting=cfg.max_waiting)
 
 
 def remote_sources(cfg: DraftmeshConfig, handles: Mapping[str, Any], tokenizer_name: str) -> list[DraftSource]:

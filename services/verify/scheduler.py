@@ -48,10 +48,10 @@ class BatchLimits:
     kv_budget_bytes: int = 2 << 30
     max_batch_tokens: int = 512
     """Tokens per forward (roots, trees and prefill chunks together)."""
-    prefill_chunk: int = 256
+    prefill_chunk: int = 128
     """At most this many prompt tokens of one request per step."""
-    min_prefill_tokens: int = 32
-    """Prefill always advances by at least this many tokens a step, however busy decoding is."""
+    prefill_while_decoding: int = 32
+    """Prompt tokens per step (all prefilling requests together) while other rows decode."""
     max_rows: int = 32
     max_waiting: int = 256
 
@@ -171,20 +171,34 @@ class BatchScheduler:
         decoding = [t for t in runs if t.run.to_prefill == 0]
         prefilling = [t for t in runs if t.run.to_prefill > 0]
         base_tokens = len(decoding)
-        left = max(limits.max_batch_tokens - base_tokens, limits.min_prefill_tokens)
+        # Prefill shares the forward with decoding rows. Shortest remaining prompt first: a prompt
+        # that fits one chunk is prefilled at once and decodes next step. Once any row decodes this
+        # step, a longer prompt advances by at most prefill_while_decoding tokens (it must not
+        # stretch every streaming request's step), and the oldest prompt always advances (a few
+        # tokens are kept for it), so no long prompt starves behind a stream of short ones.
+        left = max(1, limits.max_batch_tokens - base_tokens)
         stepping: list[Ticket] = []
         to_draft: list[Ticket] = []
         for t in decoding:
             t.run.plan = StepPlan(chunk=[], decode=True)
             to_draft.append(t)
-        for t in prefilling:  # arrival order: the oldest prompt advances first
+        order = sorted(prefilling, key=lambda t: t.run.to_prefill)
+        oldest = prefilling[0] if prefilling else None
+        reserve = min(8, left - 1) if oldest is not None and order[0] is not oldest else 0
+        left -= reserve
+        busy = bool(decoding)
+        for t in order:
             run = t.run
-            n = min(run.to_prefill, left, limits.prefill_chunk)
+            if t is oldest:
+                left, reserve = left + reserve, 0
+            cap = limits.prefill_while_decoding if busy and run.to_prefill > limits.prefill_chunk else limits.prefill_chunk
+            n = min(run.to_prefill, left, cap)
             if n <= 0:
                 continue
             left -= n
             start = len(run.cached)
             finishes = n == run.to_prefill
+            busy = busy or finishes
             run.plan = StepPlan(chunk=run.prompt[start : start + n], decode=finishes)
             base_tokens += n + (1 if finishes else 0)
             (to_draft if finishes else stepping).append(t)

@@ -216,7 +216,10 @@ def test_a_long_prompt_is_prefilled_in_chunks_while_others_stream(tiny):
     assert steps <= 2  # its first token came while the long prompt was still prefilling
     assert long_t.run.to_prefill > 0 and not long_t.events
     while not (long_t.done and short_t.done):
+        before = long_t.run.to_prefill
         sched.step()
+        if before:  # the oldest prompt advances every step, however many shorter ones come
+            assert long_t.run.to_prefill < before or long_t.events
     assert long_t.events[-1].token_ids == reference_greedy(tiny, long_prompt, 4)
     assert short_t.events[-1].token_ids == reference_greedy(tiny, short, 8)
 
