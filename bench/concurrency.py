@@ -110,11 +110,7 @@ def run_pass(decoder, method: str, items: Sequence[PreparedItem], concurrency: i
     if errors:
         raise errors[0]
     after = decoder.batch_stats()
-    steps = after["steps"] - before["steps"]
-    rows = after["mean_rows"] * after["steps"] - before["mean_rows"] * before["steps"]
-    toks = after["mean_tokens_per_forward"] * after["steps"] - before["mean_tokens_per_forward"] * before["steps"]
-    spec = after["speculating_share"] * after["mean_rows"] * after["steps"] - (
-        before["speculating_share"] * before["mean_rows"] * before["steps"])
+    steps, rows, toks, spec = (after[k] - before[k] for k in ("steps", "forward_rows", "forward_tokens", "drafted_rows"))
     batch = {"forwards": steps, "mean_rows": rows / steps if steps else 0.0,
              "mean_tokens_per_forward": toks / steps if steps else 0.0,
              "speculating_share": spec / rows if rows else 0.0, "kv_bytes_allocated": after["kv_bytes_allocated"]}

@@ -190,15 +190,20 @@ def run(args: argparse.Namespace) -> int:
             meta["untraced_step_span_cost_us"] = round(noop_step_cost_us(), 2)
         report = BenchReport(name, threads, repeats, results, skipped, meta, mesh=mesh_info)
         print(format_report(report))
-        if opt("json"):
-            print(f"wrote {write_json(opt('json'), report_to_json(report))}")
-        if opt("plot"):
-            Path(opt("plot")).parent.mkdir(parents=True, exist_ok=True)
-            write_plot(report, opt("plot"))
-            print(f"wrote {opt('plot')}")
+        _write_outputs(opt("json"), lambda: report_to_json(report), opt("plot"), lambda path: write_plot(report, path))
         return EXIT_MISMATCH if any(r.identical_to_plain is False and not r.other_engine for r in results) else EXIT_OK
     finally:
         torch.set_num_threads(old_threads)
+
+
+def _write_outputs(json_path, payload, plot_path, plot) -> None:
+    """The report's JSON (``payload()``) and chart (``plot(path)``), where the flags asked for them."""
+    if json_path:
+        print(f"wrote {write_json(json_path, payload())}")
+    if plot_path:
+        Path(plot_path).parent.mkdir(parents=True, exist_ok=True)
+        plot(plot_path)
+        print(f"wrote {plot_path}")
 
 
 def _run_concurrency(args, cfg, target, prepared, threads: int) -> int:
@@ -226,12 +231,7 @@ def _run_concurrency(args, cfg, target, prepared, threads: int) -> int:
                       "model": cfg.engine.model, "threads": threads, "dtype": str(target.dtype).replace("torch.", ""),
                       "workload": {"path": str(args.workload), "items": len(prepared)}}
     print(format_concurrency(report))
-    if opt("json"):
-        print(f"wrote {write_json(opt('json'), report)}")
-    if opt("plot"):
-        Path(opt("plot")).parent.mkdir(parents=True, exist_ok=True)
-        plot_concurrency(report, opt("plot"))
-        print(f"wrote {opt('plot')}")
+    _write_outputs(opt("json"), lambda: report, opt("plot"), lambda path: plot_concurrency(report, path))
     mismatched = sum(r["outputs"] - r["identical_to_plain_serial"] for r in report["rows"])
     return EXIT_MISMATCH if mismatched else EXIT_OK
 

@@ -197,7 +197,8 @@ class SpeculativeDecoder:
             return {}
         st, kv = sched.stats, sched.kv
         return {
-            "steps": st.steps, "mean_rows": st.forward_rows / st.steps if st.steps else 0.0,
+            "steps": st.steps, "forward_rows": st.forward_rows, "forward_tokens": st.forward_tokens,
+            "drafted_rows": st.drafted_rows, "mean_rows": st.forward_rows / st.steps if st.steps else 0.0,
             "mean_tokens_per_forward": st.forward_tokens / st.steps if st.steps else 0.0,
             "speculating_share": st.drafted_rows / st.forward_rows if st.forward_rows else 0.0,
             "max_rows": st.max_rows_seen, "admitted": st.admitted, "finished": st.finished,

@@ -20,6 +20,7 @@ from opentelemetry import trace
 from draftmesh.batch_kv import RowInput, SlotKVCache
 from draftmesh.io_struct import FinishReason, GenerationRequest, GenerationResult, StepEvent, StepRecord
 from draftmesh.tree import TokenTree
+from draftmesh.verify.acceptance import Verdict
 from draftmesh.verify.policy import AcceptancePolicy
 from draftmesh.verify.text_stream import TextStream
 
@@ -63,6 +64,8 @@ class RequestRun:
         self.finish: FinishReason | None = None
         self.result: GenerationResult | None = None
         self.plan: StepPlan | None = None
+        self.verdict: Verdict | None = None
+        """The last decode step's verdict (the builder learns from it)."""
         self.prefill_span: trace.Span | None = None
 
     # ------------------------------------------------------------------ phases
