@@ -24,6 +24,7 @@ from transformers import DynamicCache
 
 from draftmesh.batch_kv import RowInput, SlotKVCache, use_batched_attention
 from draftmesh.models import load_model
+from draftmesh.small_linear import use_small_rows_linear
 from draftmesh.tree import TokenTree
 
 COST_CURVE_SIZES = (1, 2, 4, 8, 16, 32, 64)
@@ -71,6 +72,7 @@ class TorchTarget:
         """Rows -> {total tokens: cost relative to a one-token batch-1 step}; rows 1 is ``cost_curve``."""
         self.step_seconds: float | None = None
         use_batched_attention(model)
+        use_small_rows_linear(model)
 
     @classmethod
     def load(cls, spec: str, *, device: str = "cpu", dtype: torch.dtype | None = None) -> "TorchTarget":
