@@ -11,6 +11,8 @@ repeats, medians kept:
   replica did before continuous batching.
 - ``plain``: batched, no speculation.
 - ``draftmesh``: batched, default sources, one tree budget across the batch.
+- ``vllm`` (asked for with ``--methods``): vLLM's offline engine in its own environment, the
+  closed loop run inside its worker on its own continuous batching (``vllm_runner.closed_loop_pass``).
 
 Every greedy output is compared with the same item's ``plain-serial`` output (batch-1 plain
 decoding). A prefill probe measures a short request's time to first token alone and while a
@@ -25,15 +27,16 @@ import statistics
 import threading
 import time
 from dataclasses import dataclass, field
-from typing import Any, Sequence
+from typing import Any, Callable, Mapping, Sequence
 
 from draftmesh.bench.items import PreparedItem
 from draftmesh.config import BuilderConfig, EngineConfig
 from draftmesh.io_struct import GenerationRequest, GenerationResult, StepEvent
 from draftmesh.verify.engine import batch_limits, build_decoder
 
-PLAIN_SERIAL, PLAIN, DRAFTMESH = "plain-serial", "plain", "draftmesh"
+PLAIN_SERIAL, PLAIN, DRAFTMESH, VLLM = "plain-serial", "plain", "draftmesh", "vllm"
 CONCURRENCY_METHODS = (PLAIN_SERIAL, PLAIN, DRAFTMESH)
+"""The default methods; ``VLLM`` is added where asked for (it needs ``make vllm-env``)."""
 
 
 @dataclass
@@ -50,6 +53,18 @@ class PassResult:
     @property
     def tokens_per_s(self) -> float:
         return self.tokens / self.seconds if self.seconds else 0.0
+
+
+def concurrency_methods(text: str | None) -> list[str]:
+    """The ``--methods`` of ``--concurrency`` (default: ``CONCURRENCY_METHODS``), in the given order."""
+    if not text:
+        return list(CONCURRENCY_METHODS)
+    names = [n.strip() for n in text.split(",") if n.strip()]
+    valid = (*CONCURRENCY_METHODS, VLLM)
+    bad = [n for n in names if n not in valid]
+    if bad or not names:
+        raise ValueError(f"--methods with --concurrency: unknown {', '.join(bad) or '(none)'}; valid: {', '.join(valid)}")
+    return list(dict.fromkeys(names))
 
 
 def _decoder(method: str, target, engine: EngineConfig, builder: BuilderConfig, source_options):
@@ -117,6 +132,11 @@ def run_pass(decoder, method: str, items: Sequence[PreparedItem], concurrency: i
     return PassResult(method, concurrency, seconds, tokens[0], latencies, first, outputs, batch)
 
 
+def _median_of(passes: Sequence[PassResult], key: str) -> float | None:
+    values = [p.batch[key] for p in passes if key in p.batch]
+    return statistics.median(values) if values else None
+
+
 def _pct(values: Sequence[float], q: float) -> float:
     if not values:
         return 0.0
@@ -165,7 +185,11 @@ def prefill_probe(target, engine: EngineConfig, builder: BuilderConfig, long_tok
 
 def run_concurrency(target, items: Sequence[PreparedItem], levels: Sequence[int], methods: Sequence[str], *,
                     engine: EngineConfig, builder: BuilderConfig, source_options=None, repeats: int = 1,
-                    probe_tokens: int | None = 2048, progress=print) -> dict[str, Any]:
+                    probe_tokens: int | None = 2048, progress=print,
+                    external: Mapping[str, Callable[[Sequence[PreparedItem], int], PassResult]] | None = None,
+                    ) -> dict[str, Any]:
+    """``external``: methods run by another engine, ``run(items, concurrency) -> PassResult``."""
+    external = dict(external or {})
     if not target.cost_curve:
         target.measure_cost_curve()
     if not target.batch_cost:
@@ -174,6 +198,11 @@ def run_concurrency(target, items: Sequence[PreparedItem], levels: Sequence[int]
     for rep in range(repeats):
         for c in levels:
             for m in methods:
+                if m in external:
+                    res = external[m](items, c)
+                    runs.setdefault((m, c), []).append(res)
+                    progress(f"  pass {rep + 1}/{repeats} C={c} {m}: {res.tokens_per_s:.1f} tok/s")
+                    continue
                 decoder = _decoder(m, target, engine, builder, source_options)
                 try:
                     res = run_pass(decoder, m, items, c)
@@ -198,10 +227,11 @@ def run_concurrency(target, items: Sequence[PreparedItem], levels: Sequence[int]
             "method": m, "concurrency": c, "tokens_per_s": statistics.median(tps), "tokens_per_s_runs": tps,
             "latency_p50_s": _pct(lat, 0.5), "latency_p95_s": _pct(lat, 0.95),
             "ttft_p50_s": _pct(ttf, 0.5), "ttft_p95_s": _pct(ttf, 0.95),
-            "mean_rows": statistics.median(p.batch["mean_rows"] for p in passes),
-            "mean_tokens_per_forward": statistics.median(p.batch["mean_tokens_per_forward"] for p in passes),
-            "speculating_share": statistics.median(p.batch["speculating_share"] for p in passes),
-            "kv_bytes_allocated": max(p.batch["kv_bytes_allocated"] for p in passes),
+            # None where the engine is not ours (vLLM reports no batch statistics through its worker)
+            "mean_rows": _median_of(passes, "mean_rows"),
+            "mean_tokens_per_forward": _median_of(passes, "mean_tokens_per_forward"),
+            "speculating_share": _median_of(passes, "speculating_share"),
+            "kv_bytes_allocated": max((p.batch["kv_bytes_allocated"] for p in passes if p.batch), default=None),
             "identical_to_plain_serial": same, "outputs": total,
         })
     rows.sort(key=lambda r: (r["concurrency"], methods.index(r["method"])))
@@ -228,8 +258,8 @@ def format_concurrency(report: dict[str, Any]) -> str:
         ratio = f"{r['tokens_per_s'] / base:.2f}x" if base else "-"
         lines.append(
             f"{r['concurrency']:>3} {r['method']:<13} {r['tokens_per_s']:>8.1f} {ratio:>9} {r['latency_p50_s']:>7.2f} "
-            f"{r['latency_p95_s']:>7.2f} {r['ttft_p50_s']:>7.3f} {r['ttft_p95_s']:>7.3f} {r['mean_rows']:>5.2f} "
-            f"{r['mean_tokens_per_forward']:>7.1f} {r['speculating_share']:>5.2f} "
+            f"{r['latency_p95_s']:>7.2f} {r['ttft_p50_s']:>7.3f} {r['ttft_p95_s']:>7.3f} {_cell(r['mean_rows'], 5, 2)} "
+            f"{_cell(r['mean_tokens_per_forward'], 7, 1)} {_cell(r['speculating_share'], 5, 2)} "
             f"{r['identical_to_plain_serial']:>3}/{r['outputs']:<3}")
     probe = report.get("prefill_probe")
     if probe:
@@ -238,6 +268,10 @@ def format_concurrency(report: dict[str, Any]) -> str:
                       f"prefills in chunks of {probe['prefill_chunk']} ({probe['ratio']:.2f}x)"]
     lines.append(f"KV per token: {report['kv_bytes_per_token']} bytes")
     return "\n".join(lines)
+
+
+def _cell(value: float | None, width: int, digits: int) -> str:
+    return f"{value:>{width}.{digits}f}" if value is not None else f"{'-':>{width}}"
 
 
 def plot_concurrency(report: dict[str, Any], path: str) -> None:

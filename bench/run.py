@@ -21,6 +21,14 @@ from draftmesh.bench.cli import (
     _error,
     check_target,
 )
+from draftmesh.bench.concurrency import (
+    PLAIN_SERIAL,
+    concurrency_methods,
+    format_concurrency,
+    plot_concurrency,
+    run_concurrency,
+)
+from draftmesh.bench.concurrency import VLLM as VLLM_CONCURRENT
 from draftmesh.bench.engine_report import (
     BenchReport,
     format_report,
@@ -38,6 +46,7 @@ from draftmesh.bench.tracing import noop_step_cost_us
 from draftmesh.bench.vllm_runner import (
     VLLMError,
     VLLMRunner,
+    closed_loop_pass,
     find_vllm_python,
     local_model_folder,
     max_model_len,
@@ -64,7 +73,8 @@ def run(args: argparse.Namespace) -> int:
     target_kind = opt("target") or "local"
     try:
         items = load_workload(args.workload)
-        methods = parse_methods(default_methods(target_kind, opt("methods")))
+        # --concurrency names its own methods (concurrency_methods), checked where that mode runs
+        methods = [] if opt("concurrency") else parse_methods(default_methods(target_kind, opt("methods")))
         check_target(target_kind, methods, addr=opt("addr"), tls_ca=opt("tls_ca"))
     except (WorkloadError, ValueError) as exc:
         return _error(str(exc))
@@ -207,13 +217,6 @@ def _write_outputs(json_path, payload, plot_path, plot) -> None:
 
 
 def _run_concurrency(args, cfg, target, prepared, threads: int) -> int:
-    from draftmesh.bench.concurrency import (  # lazy: only this mode needs it
-        CONCURRENCY_METHODS,
-        format_concurrency,
-        plot_concurrency,
-        run_concurrency,
-    )
-
     opt = lambda name, default=None: getattr(args, name, default)  # noqa: E731
     try:
         levels = [int(x) for x in str(opt("concurrency")).split(",") if x.strip()]
@@ -221,18 +224,40 @@ def _run_concurrency(args, cfg, target, prepared, threads: int) -> int:
             raise ValueError
     except ValueError:
         return _error(f"--concurrency: a comma-separated list of positive integers, got {opt('concurrency')!r}")
-    methods = list(CONCURRENCY_METHODS)
+    try:
+        methods = concurrency_methods(opt("methods"))
+    except ValueError as exc:
+        return _error(str(exc))
+    with contextlib.ExitStack() as cleanup:
+        external = {}
+        if VLLM_CONCURRENT in methods:
+            try:
+                worker = start_vllm(find_vllm_python(opt("vllm_python")), local_model_folder(cfg.engine.model),
+                                    dtype=str(target.dtype).replace("torch.", ""), threads=threads,
+                                    max_len=max_model_len(prepared, target.max_context))
+            except (VLLMError, ValueError, FileNotFoundError) as exc:
+                return _error(str(exc))
+            cleanup.callback(worker.close)
+            external[VLLM_CONCURRENT] = closed_loop_pass(worker, target.eos_token_ids)
+        return _concurrency_report(args, cfg, target, prepared, threads, levels, methods, external)
+
+
+def _concurrency_report(args, cfg, target, prepared, threads, levels, methods, external) -> int:
+    opt = lambda name, default=None: getattr(args, name, default)  # noqa: E731
     print(f"draftmesh bench --concurrency {','.join(map(str, levels))}: {len(prepared)} items, methods {', '.join(methods)}")
     report = run_concurrency(target, prepared, levels, methods, engine=cfg.engine, builder=cfg.builder,
                              source_options=cfg.sources.options, repeats=opt("repeats") or 1,
-                             probe_tokens=opt("prefill_probe_tokens"))
+                             probe_tokens=opt("prefill_probe_tokens"), external=external)
     report["meta"] = {"date": datetime.now(timezone.utc).isoformat(timespec="seconds"),
                       "command": opt("command_line") or command_line("draftmesh bench"), "machine": machine_info(),
                       "model": cfg.engine.model, "threads": threads, "dtype": str(target.dtype).replace("torch.", ""),
                       "workload": {"path": str(args.workload), "items": len(prepared)}}
     print(format_concurrency(report))
     _write_outputs(opt("json"), lambda: report, opt("plot"), lambda path: plot_concurrency(report, path))
-    mismatched = sum(r["outputs"] - r["identical_to_plain_serial"] for r in report["rows"])
+    # another engine's outputs are compared for agreement (shown), not required to match (see vllm_runner)
+    mismatched = sum(r["outputs"] - r["identical_to_plain_serial"] for r in report["rows"] if r["method"] not in external)
+    if PLAIN_SERIAL not in methods:
+        mismatched = 0  # nothing to compare with
     return EXIT_MISMATCH if mismatched else EXIT_OK
 
 

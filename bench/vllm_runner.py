@@ -16,6 +16,7 @@ import sys
 from pathlib import Path
 from typing import Any, Mapping, Sequence
 
+from draftmesh.bench.concurrency import PassResult
 from draftmesh.bench.items import ItemRun, PreparedItem, cut_at_eos
 from draftmesh.bench.methods import VLLM, VLLM_NGRAM
 from draftmesh.bench.worker_process import WorkerError, WorkerProcess
@@ -190,3 +191,29 @@ def our_engine_startup(model: str, *, dtype: str, threads: int, sources: str | N
     with WorkerProcess(cmd, env=env, name=what) as worker:
         worker.generate(item.id, item.prompt_ids, item.max_new_tokens)
         return startup_record(worker, what)
+
+
+def closed_loop_pass(worker: WorkerProcess, eos_token_ids: Sequence[int]):
+    """The concurrency bench's ``vllm`` method: ``run(items, concurrency) -> PassResult``, the
+    closed loop run inside the worker on vLLM's own engine (its continuous batching), outputs cut
+    at EOS like ``VLLMRunner``'s. A first call warms the worker up with one short request."""
+    eos = sorted(eos_token_ids)
+    warmed = []
+
+    def run(items: Sequence[PreparedItem], concurrency: int) -> PassResult:
+        if not warmed:
+            worker.generate("warmup", items[0].prompt_ids, min(4, items[0].max_new_tokens), eos)
+            warmed.append(True)
+        requests = [{"id": it.id, "prompt_ids": list(it.prompt_ids), "max_new_tokens": it.max_new_tokens,
+                     "stop_token_ids": eos} for it in items]
+        try:
+            out = worker.closed_loop(f"c{concurrency}-{len(warmed)}", requests, concurrency)
+        except WorkerError as exc:
+            raise VLLMError(str(exc)) from exc
+        warmed.append(True)
+        outputs = {r["id"]: tuple(cut_at_eos([int(t) for t in r["token_ids"]], eos)) for r in out["results"]}
+        return PassResult(VLLM, concurrency, float(out["seconds"]), sum(len(v) for v in outputs.values()),
+                          [float(r["latency_s"]) for r in out["results"]], [float(r["ttft_s"]) for r in out["results"]],
+                          outputs, batch={})
+
+    return run

@@ -15,6 +15,10 @@ stdout when the script started; everything vLLM prints is sent to stderr instead
     <- {"op": "generate", "id": "x", "prompt_ids": [...], "max_new_tokens": 64, "stop_token_ids": [2]}
     -> {"event": "result", "id": "x", "token_ids": [...], "seconds": 1.9, "finish_reason": "stop"}
     -> {"event": "error", "id": "x", "message": "..."}                          a request failed
+    <- {"op": "closed_loop", "id": "p", "concurrency": 8, "requests": [{"id": .., "prompt_ids": [..],
+        "max_new_tokens": 64, "stop_token_ids": [2]}, ...]}                     keep 8 in flight
+    -> {"event": "closed_loop_result", "id": "p", "seconds": 9.1, "results": [{"id": .., "token_ids":
+        [..], "latency_s": 1.2, "ttft_s": 0.1, "finish_reason": "length"}, ...]}
     <- {"op": "exit"}  (or end of input)                                        the script exits
 """
 
@@ -41,11 +45,12 @@ def reply_channel():
     return send
 
 
-def answer_requests(send, generate) -> None:
+def answer_requests(send, generate, closed_loop=None) -> None:
     """Answer ``generate`` lines from stdin until ``exit`` or end of input: ``generate(msg)``
-    returns ``(token_ids, seconds, finish_reason)``; an exception answers that request with an
-    error and the worker goes on. Shared with ``engine_worker`` (which imports this module;
-    this script itself can import nothing of draftmesh, which vLLM's environment lacks)."""
+    returns ``(token_ids, seconds, finish_reason)``; ``closed_loop(msg)`` (where given) returns
+    ``(results, seconds)``. An exception answers that request with an error and the worker goes
+    on. Shared with ``engine_worker`` (which imports this module; this script itself can import
+    nothing of draftmesh, which vLLM's environment lacks)."""
     for line in sys.stdin:
         if not line.strip():
             continue
@@ -54,12 +59,50 @@ def answer_requests(send, generate) -> None:
             break
         rid = msg.get("id")
         try:
+            if msg.get("op") == "closed_loop" and closed_loop is not None:
+                results, seconds = closed_loop(msg)
+                send({"event": "closed_loop_result", "id": rid, "results": results, "seconds": seconds})
+                continue
             token_ids, seconds, finish_reason = generate(msg)
         except Exception as exc:  # noqa: BLE001 - reported to the bench, which fails the method
             send({"event": "error", "id": rid, "message": f"{type(exc).__name__}: {exc}"})
             continue
         send({"event": "result", "id": rid, "token_ids": list(token_ids), "seconds": seconds,
               "finish_reason": finish_reason})
+
+
+def run_closed_loop(engine, make_params, make_prompt, requests, concurrency: int):
+    """Keep ``concurrency`` requests in flight on vLLM's engine (``LLMEngine``: ``add_request``,
+    ``step``), each next one added as soon as one finishes: the same closed loop the bench's own
+    methods get from client threads, here without threads, the engine being single-threaded.
+    Returns per-request results (token ids, latency, time to first token) and the wall time."""
+    pending = list(requests)
+    started: dict[str, float] = {}
+    first: dict[str, float] = {}
+    results = []
+    t0 = time.perf_counter()
+
+    def add_next() -> None:
+        req = pending.pop(0)
+        started[req["id"]] = time.perf_counter()
+        engine.add_request(req["id"], make_prompt(req), make_params(req))
+
+    while pending and len(started) - len(results) < concurrency:
+        add_next()
+    while engine.has_unfinished_requests():
+        for out in engine.step():
+            now = time.perf_counter()
+            completion = out.outputs[0] if out.outputs else None
+            if completion is not None and completion.token_ids and out.request_id not in first:
+                first[out.request_id] = now - started[out.request_id]
+            if out.finished:
+                results.append({"id": out.request_id, "token_ids": list(completion.token_ids) if completion else [],
+                                "latency_s": now - started[out.request_id],
+                                "ttft_s": first.get(out.request_id, now - started[out.request_id]),
+                                "finish_reason": completion.finish_reason if completion else None})
+                if pending:
+                    add_next()
+    return results, time.perf_counter() - t0
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -91,21 +134,28 @@ def main(argv: list[str] | None = None) -> int:
     )
     send({"event": "ready", "load_s": time.perf_counter() - t0, "vllm": vllm.__version__, "pid": os.getpid()})
 
-    def generate(msg):
-        params = SamplingParams(
+    def params_of(msg):
+        return SamplingParams(
             temperature=0.0,
             max_tokens=int(msg["max_new_tokens"]),
             stop_token_ids=[int(t) for t in msg.get("stop_token_ids", [])],
             ignore_eos=False,
             detokenize=False,
         )
-        prompt = TokensPrompt(prompt_token_ids=[int(t) for t in msg["prompt_ids"]])
+
+    def prompt_of(msg):
+        return TokensPrompt(prompt_token_ids=[int(t) for t in msg["prompt_ids"]])
+
+    def generate(msg):
         start = time.perf_counter()
-        (out,) = llm.generate([prompt], params, use_tqdm=False)
+        (out,) = llm.generate([prompt_of(msg)], params_of(msg), use_tqdm=False)
         completion = out.outputs[0]
         return completion.token_ids, time.perf_counter() - start, completion.finish_reason
 
-    answer_requests(send, generate)
+    def closed_loop(msg):
+        return run_closed_loop(llm.llm_engine, params_of, prompt_of, msg["requests"], int(msg["concurrency"]))
+
+    answer_requests(send, generate, closed_loop)
     return 0
 
 

@@ -142,6 +142,23 @@ class WorkerProcess:
             self.first_result_s = self.ready_s + (time.perf_counter() - sent)
         return result
 
+    def closed_loop(self, pass_id: str, requests: Sequence[dict[str, Any]], concurrency: int,
+                    timeout_s: float | None = None) -> dict[str, Any]:
+        """Every request once with ``concurrency`` in flight inside the worker (the vLLM worker's
+        ``closed_loop`` op): its ``closed_loop_result`` line (per-request results, ``seconds``)."""
+        msg = {"op": "closed_loop", "id": pass_id, "concurrency": int(concurrency), "requests": list(requests)}
+        try:
+            assert self._proc.stdin is not None
+            self._proc.stdin.write(json.dumps(msg) + "\n")
+            self._proc.stdin.flush()
+        except (OSError, ValueError) as exc:
+            raise self._fail(f"cannot send pass {pass_id!r}: {exc}") from exc
+        wait = timeout_s if timeout_s is not None else self.request_timeout_s
+        result = self._expect("closed_loop_result", wait, f"pass {pass_id!r}")
+        if result.get("id") != pass_id:
+            raise self._fail(f"answered {result.get('id')!r} to pass {pass_id!r}")
+        return result
+
     def memory(self) -> dict[str, Any] | None:
         """Memory of the worker and every process it started (vLLM's engine core is one)."""
         return process_tree_memory(self._proc.pid)

@@ -53,3 +53,28 @@ def test_vllm_decodes_the_packaged_model_like_our_plain(tmp_path, vllm_python, c
     for s in engines.values():
         assert s["ready_s"] > 0 and s["first_result_s"] > s["ready_s"] and s["rss_mb"] > 100, s
     assert "vllm vs plain greedy:" in printed.out and "cold start and memory" in printed.out
+
+
+@pytest.mark.slow
+def test_vllm_in_the_concurrency_bench_keeps_c_requests_in_flight(tmp_path, vllm_python, capsys):
+    """``--concurrency --methods plain-serial,vllm``: vLLM's closed loop runs beside ours, every item
+    answered at every C, its outputs compared with plain-serial (agreement shown, not required)."""
+    from bench_args import parse
+
+    from draftmesh.bench.run import run
+
+    out = tmp_path / "c.json"
+    args = parse(["--workload", str(REPO / "bench" / "public.jsonl"), "--limit", "3", "--max-new-tokens", "12",
+                  "--concurrency", "1,3", "--methods", "plain-serial,vllm", "--prefill-probe-tokens", "0", "--repeats", "1",
+                  "--threads", "2", "--json", str(out), "--no-progress", "--vllm-python", str(vllm_python)])
+    code = run(args)
+    printed = capsys.readouterr()
+    assert code == 0, printed.err[-3000:]
+    rows = {(r["method"], r["concurrency"]): r for r in json.loads(out.read_text())["rows"]}
+    assert set(rows) == {("plain-serial", 1), ("vllm", 1), ("plain-serial", 3), ("vllm", 3)}
+    for c in (1, 3):
+        v = rows[("vllm", c)]
+        assert v["outputs"] == 3 and v["tokens_per_s"] > 0 and 0 < v["ttft_p50_s"] <= v["latency_p50_s"], v
+        assert v["mean_rows"] is None  # vLLM's batch statistics are not ours to report
+    print({c: (rows[("vllm", c)]["identical_to_plain_serial"], rows[("vllm", c)]["tokens_per_s"]) for c in (1, 3)})
+    assert " vllm " in printed.out

@@ -302,3 +302,49 @@ def test_a_failed_vllm_request_stops_the_bench_with_its_message(tmp_path, tiny_f
 def test_vllm_without_its_environment_is_a_clear_error(tmp_path, tiny_folder, capsys):
     code, printed, _ = bench(tmp_path, tiny_folder, tmp_path / "nowhere" / "python", capsys, methods="plain,vllm")
     assert code == 2 and "needs vLLM's own environment" in printed.err
+
+
+class _FakeEngine:
+    """vLLM's ``LLMEngine`` surface the closed loop uses: each step gives every running request
+    one token and finishes those that reached their max."""
+
+    def __init__(self):
+        self.running: dict[str, list] = {}
+        self.peak = 0
+        self.order: list[str] = []
+
+    def add_request(self, rid, prompt, params):
+        self.running[rid] = [params, []]
+        self.order.append(rid)
+        self.peak = max(self.peak, len(self.running))
+
+    def has_unfinished_requests(self):
+        return bool(self.running)
+
+    def step(self):
+        from types import SimpleNamespace as NS
+
+        outs = []
+        for rid, (max_tokens, toks) in list(self.running.items()):
+            toks.append(len(toks))
+            done = len(toks) >= max_tokens
+            outs.append(NS(request_id=rid, finished=done,
+                           outputs=[NS(token_ids=list(toks), finish_reason="length" if done else None)]))
+            if done:
+                del self.running[rid]
+        return outs
+
+
+@pytest.mark.parametrize("concurrency", [1, 2, 5])
+def test_closed_loop_keeps_at_most_c_in_flight_and_answers_every_request(concurrency):
+    from draftmesh.bench.vllm_worker import run_closed_loop
+
+    engine = _FakeEngine()
+    reqs = [{"id": f"r{i}", "max_new_tokens": 1 + i % 3} for i in range(5)]
+    results, seconds = run_closed_loop(engine, lambda r: r["max_new_tokens"], lambda r: None, reqs, concurrency)
+    assert engine.peak == min(concurrency, 5) and engine.order == [r["id"] for r in reqs]
+    got = {r["id"]: r for r in results}
+    assert set(got) == {r["id"] for r in reqs} and seconds >= 0
+    for r in reqs:
+        assert len(got[r["id"]]["token_ids"]) == r["max_new_tokens"]
+        assert 0 <= got[r["id"]]["ttft_s"] <= got[r["id"]]["latency_s"]
