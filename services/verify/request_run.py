@@ -108,21 +108,7 @@ class RequestRun:
         self.cached += plan.chunk + [self.pending] + [tree.tokens[a] for a in verdict.accepted]
         self.verdict = verdict
         new = [tree.tokens[a] for a in verdict.accepted] + [verdict.next_token]
-        taken = 0
-        for tok in new:
-            self.generated.append(tok)
-            taken += 1
-            if tok in self.eos_ids:
-                self.finish = "eos"
-                break
-            if len(self.generated) >= req.max_new_tokens:
-                self.finish = "length"
-                break
-        delta, cut = self.text.update(self.generated, len(self.generated) - taken)
-        if cut is not None:
-            taken -= len(self.generated) - cut
-            del self.generated[cut:]
-            self.finish = "stop"
+        taken, delta = self._emit(new)
         accepted_by_source: dict[str, int] = {}
         for a in verdict.accepted[: min(taken, len(verdict.accepted))]:
             for src in tree.sources[a]:
@@ -143,6 +129,32 @@ class RequestRun:
         if self.generated:
             self.pending = self.generated[-1]
         return StepEvent(tuple(self.generated[len(self.generated) - taken :]), delta, record)
+
+    def _emit(self, new: list[int]) -> tuple[int, str]:
+        """Append the step's tokens one at a time, as plain decoding would, ending at the first
+        EOS, stop string or the length limit; return (tokens taken, text delta). The delta of the
+        last step includes everything the text stream held back."""
+        stream, delta, taken = self.text, "", 0
+        for tok in new:
+            self.generated.append(tok)
+            taken += 1
+            if tok in self.eos_ids:
+                self.finish = "eos"
+                break
+            if stream.stop:
+                piece, hit = stream.push(self.generated)
+                delta += piece
+                if hit:
+                    self.finish = "stop"
+                    break
+            if len(self.generated) >= self.req.max_new_tokens:
+                self.finish = "length"
+                break
+        if not stream.stop:
+            delta = stream.update(self.generated)
+        if self.finish is not None:
+            delta += stream.flush(self.generated)
+        return taken, delta
 
     def final_result(self) -> GenerationResult:
         assert self.finish is not None
