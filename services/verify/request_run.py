@@ -19,6 +19,7 @@ from opentelemetry import trace
 
 from draftmesh.batch_kv import RowInput, SlotKVCache
 from draftmesh.io_struct import FinishReason, GenerationRequest, GenerationResult, StepEvent, StepRecord
+from draftmesh.sampling import KeyedDraws
 from draftmesh.tree import TokenTree
 from draftmesh.verify.acceptance import Verdict
 from draftmesh.verify.policy import AcceptancePolicy
@@ -54,7 +55,7 @@ class RequestRun:
         """Ids whose KV the row holds (a stop-string cut drops emitted tokens whose KV stays)."""
         self.reused = 0
         self.pending = self.prompt[-1]
-        self.generator = None if req.sampling.greedy else req.sampling.generator()
+        self.generator = _generator(req, policy)
         self.text = TextStream(tokenizer, req.stop)
         self.eos_ids = eos_ids
         self.generated: list[int] = []
@@ -103,7 +104,8 @@ class RequestRun:
             return None
         tree, req = plan.tree, self.req
         flagged = plan.flags.result() if plan.flags is not None else frozenset()
-        verdict = self.policy.verify(tree, logits, req.sampling, self.generator, flagged)
+        draws = self.generator.at(len(self.generated)) if isinstance(self.generator, KeyedDraws) else self.generator
+        verdict = self.policy.verify(tree, logits, req.sampling, draws, flagged)
         kv.commit(self.row, base, [*range(c), c, *(c + 1 + a for a in verdict.accepted)])
         self.cached += plan.chunk + [self.pending] + [tree.tokens[a] for a in verdict.accepted]
         self.verdict = verdict
@@ -172,3 +174,15 @@ class RequestRun:
             reused_tokens=self.reused,
         )
         return self.result
+
+
+def _generator(req: GenerationRequest, policy: AcceptancePolicy):
+    """The request's randomness: none for greedy; for a seeded request under a policy that
+    supports it, draws keyed by output position (reproducible whatever the trees); else a
+    torch generator (seeded or from the OS) consumed as the verdicts need."""
+    sampling = req.sampling
+    if sampling.greedy:
+        return None
+    if sampling.seed is not None and getattr(policy, "keyed_draws", False):
+        return KeyedDraws(sampling.seed)
+    return sampling.generator()
