@@ -2,7 +2,9 @@
 
 Plain sampling and speculative rejection sampling both draw from ``target_probs``; that
 shared definition is what "exactly the target's distribution" means in this project.
-The arithmetic is float64 so that residual updates do not drift.
+The arithmetic is float64 so that residual updates do not drift. Seeded requests draw
+through ``KeyedDraws`` (one random stream per output position) so that their output does not
+depend on the drafts.
 """
 
 from __future__ import annotations
@@ -33,3 +35,49 @@ def target_probs(logits: torch.Tensor, params: SamplingParams) -> torch.Tensor:
 
 def sample(probs: torch.Tensor, generator: torch.Generator) -> int:
     return int(torch.multinomial(probs, 1, generator=generator).item())
+
+
+_MASK64 = (1 << 64) - 1
+
+
+def _mix64(x: int) -> int:
+    """splitmix64's finalizer: nearby (seed, position) keys give unrelated generator seeds."""
+    x = (x + 0x9E3779B97F4A7C15) & _MASK64
+    x = ((x ^ (x >> 30)) * 0xBF58476D1CE4E5B9) & _MASK64
+    x = ((x ^ (x >> 27)) * 0x94D049BB133111EB) & _MASK64
+    return x ^ (x >> 31)
+
+
+class KeyedDraws:
+    """The random stream of one seeded request, keyed by output position.
+
+    The token at output position i is ``argmax(log p_i + G_i)`` (Gumbel-max: an exact draw
+    from p_i), with ``G_i`` Gumbel noise from a generator seeded by (seed, i) alone. So the
+    draw for position i never depends on how many random numbers earlier steps consumed,
+    i.e. on what was drafted: the output is a function of (seed, the target's logits), the
+    same with speculation off, with any sources, answer store or batch. Verifying a drafted
+    token is then deterministic: accepted iff it equals the keyed argmax (``verify_keyed``).
+    The noise is drawn on the CPU in float64, so it does not depend on the device either.
+
+    ``at(offset)`` gives the view a step verifies with: its ``draw(probs, depth)`` is
+    position ``offset + depth``.
+    """
+
+    def __init__(self, seed: int, offset: int = 0) -> None:
+        self.seed = seed
+        self.offset = offset
+
+    def at(self, offset: int) -> "KeyedDraws":
+        return KeyedDraws(self.seed, offset)
+
+    def noise(self, position: int, n: int) -> torch.Tensor:
+        """Gumbel(0, 1) noise of length n for an output position (a fresh generator per position:
+        each position is drawn once per step, along the accepted path only)."""
+        gen = torch.Generator().manual_seed(_mix64(_mix64(self.seed) ^ position))
+        u = torch.rand(n, dtype=torch.float64, generator=gen)
+        return -torch.log(-torch.log(u))  # u = 0 gives -inf: never chosen
+
+    def draw(self, probs: torch.Tensor, depth: int = 0) -> int:
+        """The token at position ``offset + depth`` given that position's target distribution."""
+        p = probs.detach().to("cpu", torch.float64)
+        return int(torch.argmax(torch.log(p) + self.noise(self.offset + depth, p.numel())))

@@ -20,9 +20,15 @@ def word_tokenizer(vocab_size: int):
 
 
 def tiny_target(
-    arch: str = "llama", vocab_size: int = 64, dtype=torch.float64, seed: int = 0, attn: str = "sdpa", **overrides
+    arch: str = "llama", vocab_size: int = 64, dtype=torch.float64, seed: int = 0, attn: str = "sdpa",
+    tokenizer=None, **overrides
 ):
-    """A random-weight model with the given architecture, wrapped as a TorchTarget."""
+    """A random-weight model with the given architecture, wrapped as a TorchTarget.
+
+    ``tokenizer`` (e.g. the real SmolLM2 one, for byte-level text with half-decoded characters)
+    replaces the word tokenizer; the vocabulary then is the tokenizer's."""
+    if tokenizer is not None:
+        vocab_size = len(tokenizer)
     from transformers import Gemma3ForCausalLM, Gemma3TextConfig, LlamaConfig, LlamaForCausalLM
 
     from draftmesh.backend import TorchTarget
@@ -58,4 +64,4 @@ def tiny_target(
         model.get_output_embeddings().weight.mul_(8.0)
     model.config._attn_implementation = attn  # sdpa is the production path; eager is faster in float64
     model.to(dtype).eval()
-    return TorchTarget(model, word_tokenizer(vocab_size), name=f"tiny-{arch}")
+    return TorchTarget(model, tokenizer if tokenizer is not None else word_tokenizer(vocab_size), name=f"tiny-{arch}")

@@ -13,7 +13,7 @@ from dataclasses import dataclass
 import torch
 
 from draftmesh.io_struct import SamplingParams
-from draftmesh.sampling import sample, target_probs
+from draftmesh.sampling import KeyedDraws, sample, target_probs
 from draftmesh.tree import TokenTree
 
 
@@ -32,6 +32,26 @@ def verify_greedy(tree: TokenTree, logits: torch.Tensor) -> Verdict:
     node, accepted = -1, []
     while True:
         want = argmax[node + 1]
+        nxt = next((c for c in tree.children(node) if tree.tokens[c] == want), None)
+        if nxt is None:
+            return Verdict(accepted, want)
+        accepted.append(nxt)
+        node = nxt
+
+
+def verify_keyed(tree: TokenTree, logits: torch.Tensor, params: SamplingParams, draws: KeyedDraws) -> Verdict:
+    """Seeded sampling: follow the children equal to the keyed draw of their position.
+
+    Like greedy with the argmax of ``log p + G_position`` instead of ``log p``: the emitted
+    tokens are exactly the ones plain decoding with the same ``KeyedDraws`` would draw, so a
+    seeded request's output never depends on the tree. Each token is an exact draw from p
+    (Gumbel-max with noise independent per position). Sampled drafts' q is not used: a draft
+    is accepted with probability p(x) here, less than rejection sampling's min(1, p/q) law
+    would give for q-drafts (the price of reproducibility, unseeded requests keep it).
+    """
+    node, accepted = -1, []
+    while True:
+        want = draws.draw(target_probs(logits[node + 1], params), len(accepted))
         nxt = next((c for c in tree.children(node) if tree.tokens[c] == want), None)
         if nxt is None:
             return Verdict(accepted, want)

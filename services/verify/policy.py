@@ -14,7 +14,8 @@ import torch
 
 from draftmesh.io_struct import SamplingParams
 from draftmesh.tree import TokenTree
-from draftmesh.verify.acceptance import Verdict, verify_greedy, verify_sampling
+from draftmesh.sampling import KeyedDraws
+from draftmesh.verify.acceptance import Verdict, verify_greedy, verify_keyed, verify_sampling
 from draftmesh.verify.lossy import BlockPolicy, NKLPolicy, SemanticPolicy, TypicalPolicy
 
 
@@ -27,21 +28,28 @@ class AcceptancePolicy(Protocol):
         tree: TokenTree,
         logits: torch.Tensor,
         sampling: SamplingParams,
-        generator: torch.Generator | None,
+        generator: torch.Generator | KeyedDraws | None,
         flagged: frozenset[int] = frozenset(),
     ) -> Verdict: ...
 
 
 class ExactPolicy:
-    """Lossless: greedy output identical to plain greedy; sampling exactly the target's law."""
+    """Lossless: greedy output identical to plain greedy; sampling exactly the target's law.
+
+    A seeded request draws through ``KeyedDraws`` (its output is independent of the tree); an
+    unseeded one keeps multi-draft rejection sampling, which accepts q-drafts more often."""
 
     name = "exact"
     lossless = True
+    keyed_draws = True
+    """Seeded requests get a ``KeyedDraws`` as their generator (lossy policies get a torch.Generator)."""
 
     def verify(self, tree, logits, sampling, generator, flagged=frozenset()) -> Verdict:
         if sampling.greedy:
             return verify_greedy(tree, logits)
         assert generator is not None
+        if isinstance(generator, KeyedDraws):
+            return verify_keyed(tree, logits, sampling, generator)
         return verify_sampling(tree, logits, sampling, generator)
 
 

@@ -19,6 +19,7 @@ from opentelemetry import trace
 
 from draftmesh.batch_kv import RowInput, SlotKVCache
 from draftmesh.io_struct import FinishReason, GenerationRequest, GenerationResult, StepEvent, StepRecord
+from draftmesh.sampling import KeyedDraws
 from draftmesh.tree import TokenTree
 from draftmesh.verify.acceptance import Verdict
 from draftmesh.verify.policy import AcceptancePolicy
@@ -54,7 +55,7 @@ class RequestRun:
         """Ids whose KV the row holds (a stop-string cut drops emitted tokens whose KV stays)."""
         self.reused = 0
         self.pending = self.prompt[-1]
-        self.generator = None if req.sampling.greedy else req.sampling.generator()
+        self.generator = _generator(req, policy)
         self.text = TextStream(tokenizer, req.stop)
         self.eos_ids = eos_ids
         self.generated: list[int] = []
@@ -103,26 +104,13 @@ class RequestRun:
             return None
         tree, req = plan.tree, self.req
         flagged = plan.flags.result() if plan.flags is not None else frozenset()
-        verdict = self.policy.verify(tree, logits, req.sampling, self.generator, flagged)
+        draws = self.generator.at(len(self.generated)) if isinstance(self.generator, KeyedDraws) else self.generator
+        verdict = self.policy.verify(tree, logits, req.sampling, draws, flagged)
         kv.commit(self.row, base, [*range(c), c, *(c + 1 + a for a in verdict.accepted)])
         self.cached += plan.chunk + [self.pending] + [tree.tokens[a] for a in verdict.accepted]
         self.verdict = verdict
         new = [tree.tokens[a] for a in verdict.accepted] + [verdict.next_token]
-        taken = 0
-        for tok in new:
-            self.generated.append(tok)
-            taken += 1
-            if tok in self.eos_ids:
-                self.finish = "eos"
-                break
-            if len(self.generated) >= req.max_new_tokens:
-                self.finish = "length"
-                break
-        delta, cut = self.text.update(self.generated, len(self.generated) - taken)
-        if cut is not None:
-            taken -= len(self.generated) - cut
-            del self.generated[cut:]
-            self.finish = "stop"
+        taken, delta = self._emit(new)
         accepted_by_source: dict[str, int] = {}
         for a in verdict.accepted[: min(taken, len(verdict.accepted))]:
             for src in tree.sources[a]:
@@ -144,6 +132,32 @@ class RequestRun:
             self.pending = self.generated[-1]
         return StepEvent(tuple(self.generated[len(self.generated) - taken :]), delta, record)
 
+    def _emit(self, new: list[int]) -> tuple[int, str]:
+        """Append the step's tokens one at a time, as plain decoding would, ending at the first
+        EOS, stop string or the length limit; return (tokens taken, text delta). The delta of the
+        last step includes everything the text stream held back."""
+        stream, delta, taken = self.text, "", 0
+        for tok in new:
+            self.generated.append(tok)
+            taken += 1
+            if tok in self.eos_ids:
+                self.finish = "eos"
+                break
+            if stream.stop:
+                piece, hit = stream.push(self.generated)
+                delta += piece
+                if hit:
+                    self.finish = "stop"
+                    break
+            if len(self.generated) >= self.req.max_new_tokens:
+                self.finish = "length"
+                break
+        if not stream.stop:
+            delta = stream.update(self.generated)
+        if self.finish is not None:
+            delta += stream.flush(self.generated)
+        return taken, delta
+
     def final_result(self) -> GenerationResult:
         assert self.finish is not None
         self.result = GenerationResult(
@@ -160,3 +174,15 @@ class RequestRun:
             reused_tokens=self.reused,
         )
         return self.result
+
+
+def _generator(req: GenerationRequest, policy: AcceptancePolicy):
+    """The request's randomness: none for greedy; for a seeded request under a policy that
+    supports it, draws keyed by output position (reproducible whatever the trees); else a
+    torch generator (seeded or from the OS) consumed as the verdicts need."""
+    sampling = req.sampling
+    if sampling.greedy:
+        return None
+    if sampling.seed is not None and getattr(policy, "keyed_draws", False):
+        return KeyedDraws(sampling.seed)
+    return sampling.generator()

@@ -1,8 +1,15 @@
 """Detokenize a generation as it grows.
 
 Deltas never end inside a multi-byte character or inside what could still become a stop
-string, and a stop string is cut exactly where plain one-token decoding would have seen
-it, so streamed text, final text and token ids agree whatever the step sizes were.
+string; when the request ends (EOS, length, stop) ``flush`` hands out what was held back,
+so the deltas always add up to the final text.
+
+Stop strings are position-exact: the caller feeds tokens one at a time (``push``), so the
+stream sees the same prefixes, in the same order, as plain one-token decoding, whatever
+the step size. A stop string that only exists on a prefix (``"\\ufffd"`` of a half-decoded
+character, completed by the next token of the same step) still ends the output at the
+token plain decoding ends at. Without stop strings nothing can end mid-step, so one decode
+per step (``update``) is enough.
 """
 
 from __future__ import annotations
@@ -18,45 +25,54 @@ class TextStream:
         self.stop = tuple(stop)
         self.longest_stop = max((len(s) for s in self.stop), default=0)
         self.emitted = 0
+        """Characters of the text handed out so far."""
         self.stop_at: int | None = None
+        """Where the final text ends once a stop string appeared (the string itself is cut)."""
 
     def _decode(self, ids: Sequence[int]) -> str:
         return self.tokenizer.decode(ids, skip_special_tokens=True)
 
-    def update(self, generated: list[int], before: int) -> tuple[str, int | None]:
-        """Return (new text safe to emit, token count to cut to if a stop string appeared)."""
+    def push(self, generated: list[int]) -> tuple[str, bool]:
+        """After one more token: (new text safe to emit, whether a stop string now appears).
+
+        Call it once per generated token, in order: that is what makes stop matching
+        exact per token."""
         text = self._decode(generated)
-        cut = None
+        hit = self._find_stop(text) if self.stop else None
+        if hit is not None:
+            self.stop_at = hit
+            return self._emit(text, hit), True
+        return self._emit(text, len(text) - self._held_back(text)), False
+
+    def update(self, generated: list[int]) -> str:
+        """After a step without stop strings: the new text safe to emit."""
         if self.stop:
-            hit = self._find_stop(text)
-            if hit is not None:
-                self.stop_at = hit
-                cut = self._tokens_for_stop(generated, before)
-                text = text[:hit]
-        safe = len(text)
-        if cut is None:
-            safe -= self._held_back(text)
-        while safe > self.emitted and text[safe - 1] == "\ufffd":  # an incomplete UTF-8 sequence
-            safe -= 1
-        delta = text[self.emitted : safe] if safe > self.emitted else ""
-        self.emitted = max(self.emitted, safe)
-        return delta, cut
+            raise ValueError("with stop strings, feed tokens one at a time (push)")
+        text = self._decode(generated)
+        return self._emit(text, len(text))
+
+    def flush(self, generated: list[int]) -> str:
+        """At the end of the request: everything of the final text not yet emitted."""
+        text = self.final(generated)
+        rest = text[self.emitted :]
+        self.emitted = max(self.emitted, len(text))
+        return rest
 
     def final(self, generated: list[int]) -> str:
         text = self._decode(generated)
         return text[: self.stop_at] if self.stop_at is not None else text
 
+    def _emit(self, text: str, safe: int) -> str:
+        while safe > self.emitted and text[safe - 1] == "\ufffd":  # an incomplete UTF-8 sequence
+            safe -= 1
+        delta = text[self.emitted : safe] if safe > self.emitted else ""
+        self.emitted = max(self.emitted, safe)
+        return delta
+
     def _find_stop(self, text: str) -> int | None:
         start = max(0, self.emitted - self.longest_stop)
         hits = [i for s in self.stop if (i := text.find(s, start)) >= 0]
         return min(hits) if hits else None
-
-    def _tokens_for_stop(self, generated: list[int], before: int) -> int:
-        """The fewest tokens whose text already contains a stop string (what plain decoding sees)."""
-        for n in range(max(1, before), len(generated) + 1):
-            if self._find_stop(self._decode(generated[:n])) is not None:
-                return n
-        return len(generated)
 
     def _held_back(self, text: str) -> int:
         """Length of the longest text suffix that could still grow into a stop string."""

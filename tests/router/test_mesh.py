@@ -185,7 +185,7 @@ def test_faulty_sources_degrade_not_kill(stub, engine):
 
 
 def test_seeded_plain_sampling_through_the_mesh_matches_in_process(stub, engine):
-    """A seed fixes the sample given the drafts; with speculation off it is fully reproducible."""
+    """A seed fixes the sample: the mesh gives the in-process engine's output, twice."""
     from draftmesh.io_struct import GenerationRequest, SamplingParams, SpeculationParams
     from draftmesh.prompts import encode_messages
 
@@ -197,6 +197,24 @@ def test_seeded_plain_sampling_through_the_mesh_matches_in_process(stub, engine)
     want = engine.generate(GenerationRequest(tuple(ids), max_new_tokens=24, sampling=SamplingParams(0.8, 0.95, 0, 7),
                                              speculation=SpeculationParams(enabled=False)))
     assert list(a.token_ids) == list(b.token_ids) == list(want.token_ids)
+
+
+def test_seeded_speculative_sampling_through_the_mesh_equals_plain(stub, engine):
+    """Seeded draws are keyed by output position: speculation on (the second run also drafts from
+    the first one's stored answer) gives the plain, speculation-off text."""
+    from draftmesh.io_struct import GenerationRequest, SamplingParams, SpeculationParams
+    from draftmesh.prompts import encode_messages
+
+    text = "Repeat this sentence exactly: Seven grey herons stood in the shallow water at dawn."
+    req = chat(text, 32, temperature=0.7, seed=21)
+    a = stub.Complete(req, metadata=AUTH, timeout=120)
+    b = stub.Complete(req, metadata=AUTH, timeout=120)
+    ids = encode_messages(engine.target.tokenizer, [{"role": "user", "content": text}])
+    want = engine.generate(GenerationRequest(tuple(ids), max_new_tokens=32, sampling=SamplingParams(0.7, seed=21),
+                                             speculation=SpeculationParams(enabled=False)))
+    assert list(a.token_ids) == list(b.token_ids) == list(want.token_ids)
+    assert a.text == b.text == want.text
+    assert a.usage.steps < len(a.token_ids)  # the drafts were used
 
 
 def test_documents_and_speculation_options_are_honoured(stub, engine):
