@@ -56,7 +56,7 @@ class RunningMesh:
         stopped even if another fails."""
         if self.gateway is not None:
             try:
-                self.gateway.stop(drain_s)
+                self.gateway.stop(drain_s, timeout=drain_s + 10)
             except Exception:
                 log.exception("error while stopping the gateway")
         while self._cleanup:

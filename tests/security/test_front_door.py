@@ -197,3 +197,26 @@ def test_wildcard_binds_are_rewritten_to_loopback():
     assert loopback_address("0.0.0.0:0") == "127.0.0.1:0"
     assert loopback_address("10.1.2.3:9000") == "10.1.2.3:9000"
     assert loopback_address("127.0.0.1:5") == "127.0.0.1:5"
+
+
+def test_start_up_refuses_an_upstream_reachable_from_the_network():
+    """`start_mesh` runs this check on Serve's proxy port: a listener on every interface is refused, a
+    loopback one passes (real sockets on this machine)."""
+    import socket
+
+    from draftmesh.router.launcher import UpstreamExposed, check_upstream_private
+    from draftmesh.router.loopback import non_loopback_addresses
+
+    if not non_loopback_addresses():
+        pytest.skip("this machine has no non-loopback address to test from")
+    for host, exposed in (("0.0.0.0", True), ("127.0.0.1", False)):
+        with socket.socket() as listener:
+            listener.bind((host, 0))
+            listener.listen()
+            port = listener.getsockname()[1]
+            if exposed:
+                with pytest.raises(UpstreamExposed, match=str(port)):
+                    check_upstream_private(port)
+                check_upstream_private(port, strict=False)  # an existing cluster: logged, not refused
+            else:
+                check_upstream_private(port)
