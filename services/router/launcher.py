@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import logging
 import os
+import threading
 import time
 from dataclasses import dataclass, field
 from typing import Any, Callable
@@ -138,7 +139,10 @@ def start_mesh(cfg: DraftmeshConfig, *, ray_init: dict[str, Any] | None = None) 
             logging_config={"log_level": serve_cfg.log_level},
         )
         if serve_cfg.address is None:
-            running._cleanup.append(serve.shutdown)  # our private cluster: all of Serve goes (with our app)
+            # Our private cluster: all of Serve goes (with our app), politely but bounded: a replica that
+            # missed its cancellation (Ray's proxy loses a few) would hold it for its graceful timeout,
+            # and ray.shutdown (next) stops every process anyway.
+            running._cleanup.append(lambda: _bounded(serve.shutdown, SERVE_SHUTDOWN_S, "serve.shutdown"))
         else:  # on an existing cluster only our app goes; Serve and other apps stay up
             running._cleanup.append(lambda: serve.delete(APP_NAME))
         serve.run(build_app(cfg), name=APP_NAME, route_prefix="/", blocking=False,
@@ -155,6 +159,30 @@ def start_mesh(cfg: DraftmeshConfig, *, ray_init: dict[str, Any] | None = None) 
     except BaseException:
         running.stop()
         raise
+
+
+SERVE_SHUTDOWN_S = 10.0
+"""How long stopping a private mesh waits for Serve's own graceful shutdown before Ray's."""
+
+
+def _bounded(step: Callable[[], Any], timeout_s: float, what: str) -> None:
+    """Run ``step`` in a daemon thread; give up waiting (with a warning) after ``timeout_s``."""
+
+    errors: list[BaseException] = []
+
+    def run() -> None:
+        try:
+            step()
+        except BaseException as exc:  # noqa: BLE001 - reported below
+            errors.append(exc)
+
+    thread = threading.Thread(target=run, name=f"draftmesh-{what}", daemon=True)
+    thread.start()
+    thread.join(timeout_s)
+    if thread.is_alive():
+        log.warning("%s did not finish in %.0fs; going on", what, timeout_s)
+    elif errors:
+        raise errors[0]
 
 
 class UpstreamExposed(RuntimeError):
