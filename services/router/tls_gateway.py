@@ -464,6 +464,10 @@ class GatewayThread:
     def is_alive(self) -> bool:
         return self._thread.is_alive()
 
+    def set_ready(self, ready: bool = True) -> None:
+        """See `TlsGateway.set_ready`."""
+        self.gateway.set_ready(ready)
+
     def stop(self, grace: float | None = None, timeout: float | None = 30.0) -> None:
         """Stops the gateway (in-flight calls get `grace` seconds) and joins the thread. Idempotent."""
         if self._stopped:

@@ -62,7 +62,7 @@ def test_the_port_answers_starting_until_the_app_is_ready(upstream):
         assert code == grpc.StatusCode.UNAVAILABLE and details == STARTING
         assert "starting" in details and "Application metadata" not in details
         assert servicer.requests == []  # nothing reached the upstream
-        gw.gateway.set_ready()
+        gw.set_ready()  # the GatewayThread's, as the launcher calls it
         assert _complete(gw.port, pb.GenerateRequest(prompt="hi")).text.startswith("The cat")
 
 
