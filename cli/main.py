@@ -156,16 +156,60 @@ def cmd_draft_serve(args: argparse.Namespace) -> int:
     return 0
 
 
+HARD_STOP_S = 20.0
+"""After a stop signal, seconds beyond ``serve.drain_s`` before the process exits regardless."""
+
+
 def cmd_serve(args: argparse.Namespace) -> int:
-    """Run the whole mesh (Redis, Ray, Serve, gRPC) until Ctrl-C or SIGTERM, then stop it cleanly."""
+    """Run the whole mesh (Redis, Ray, Serve, gRPC) until Ctrl-C or SIGTERM, then stop it.
+
+    A signal is honoured in every phase: while starting (the half-started mesh is torn down), idle,
+    or serving (calls in flight get ``serve.drain_s`` seconds, then are cancelled). A watchdog exits
+    the process ``HARD_STOP_S`` after that, whatever is stuck; a second signal exits at once. Exit
+    code: 130 after SIGINT (the shell's convention), 0 after SIGTERM (an orchestrator's normal stop)."""
     from draftmesh.router.launcher import start_mesh  # lazy: the mesh (Ray, the engine)
 
     cfg = config_from_args(args)
-    mesh = start_mesh(cfg)
-    # After ray.init, which installs its own SIGTERM handler (it would exit without cleanup).
     stop = threading.Event()
-    previous = {sig: signal.signal(sig, lambda *_: stop.set()) for sig in (signal.SIGTERM, signal.SIGINT)}
+    state = {"phase": "starting", "signal": None}
+
+    def exit_code() -> int:
+        return 130 if state["signal"] == signal.SIGINT else 0
+
+    def hard_stop() -> None:
+        if not done.wait(cfg.serve.drain_s + HARD_STOP_S):
+            print("draftmesh: did not stop in time; exiting now", file=sys.stderr, flush=True)
+            os._exit(exit_code())
+
+    def on_signal(signum, _frame) -> None:
+        if state["signal"] is not None:  # the second one: now
+            print("draftmesh: stopping now", file=sys.stderr, flush=True)
+            os._exit(130 if signum == signal.SIGINT else exit_code())
+        state["signal"] = signum
+        stop.set()
+        threading.Thread(target=hard_stop, name="draftmesh-hard-stop", daemon=True).start()
+        if state["phase"] == "starting":
+            raise KeyboardInterrupt  # unwinds start_mesh, which tears down what it started
+
+    done = threading.Event()
+    signals = (signal.SIGTERM, signal.SIGINT)
+    previous = {sig: signal.signal(sig, on_signal) for sig in signals}
+    mesh = None
     try:
+        try:
+            mesh = start_mesh(cfg)
+        except KeyboardInterrupt:
+            if not stop.is_set():
+                raise
+            print("draftmesh: stopped while starting", file=sys.stderr, flush=True)
+            return exit_code()
+        state["phase"] = "serving"
+        # ray.init installed its own SIGTERM handler (it would exit without cleanup): ours again.
+        for sig in signals:
+            signal.signal(sig, on_signal)
+        if stop.is_set():  # a signal Ray swallowed while starting
+            print("draftmesh: stopping", file=sys.stderr, flush=True)
+            return exit_code()
         tls = " with TLS" if cfg.serve.tls_cert else ""
         auth = " with API keys" if cfg.serve.api_keys or cfg.serve.api_keys_file else ""
         metrics = f"; metrics http://{mesh.metrics_address}/metrics" if mesh.metrics_address else ""
@@ -175,12 +219,15 @@ def cmd_serve(args: argparse.Namespace) -> int:
               f"redis {mesh.config.serve.redis_url}{metrics}{traces}; ready in {mesh.started_s:.1f}s. Ctrl-C to stop.",
               flush=True)
         stop.wait()
-        print("draftmesh: stopping", file=sys.stderr, flush=True)
+        print(f"draftmesh: stopping (draining for up to {cfg.serve.drain_s:g}s)", file=sys.stderr, flush=True)
+        return exit_code()
     finally:
-        mesh.stop()
+        state["phase"] = "stopping"
+        if mesh is not None:
+            mesh.stop(cfg.serve.drain_s)
+        done.set()
         for sig, handler in previous.items():
             signal.signal(sig, handler)
-    return 0
 
 
 def cmd_generate(args: argparse.Namespace) -> int:

@@ -266,7 +266,9 @@ class LimitsConfig:
     max_policy_key_chars: int = option(64, min=1, help="longest policy parameter name")
     max_policy_value_chars: int = option(256, min=1, help="longest policy parameter value")
     max_factcheck_wait_ms: int = option(60000, min=0, help="longest fact-check wait a request may ask for")
-    max_body_bytes: int = option(8 * 1024 * 1024, min=1024, help="largest HTTP request body, in bytes (beyond: 413)")
+    max_body_bytes: int = option(8 * 1024 * 1024, min=1024,
+                                 help="largest HTTP request body and gRPC message, in bytes (beyond: HTTP 413, "
+                                      "gRPC RESOURCE_EXHAUSTED at the gateway)")
 
     def __post_init__(self) -> None:
         check_fields(self)
@@ -300,6 +302,13 @@ class ServeConfig:
     session_cache_size: int = option(64, min=0, help="sessions whose KV cache a verifier replica keeps")
     router_replicas: int = option(1, min=1, help="router (ingress) replicas")
     max_in_flight: int = option(32, min=1, help="requests a router replica admits at once; beyond: RESOURCE_EXHAUSTED")
+    max_streams: int = option(
+        256, min=1, help="gRPC calls the front door (gateway) serves at once; beyond: RESOURCE_EXHAUSTED"
+    )
+    drain_s: float = option(
+        10.0, min=0, help="on Ctrl-C/SIGTERM, seconds in-flight calls get to finish before they are cancelled "
+                          "and the mesh is stopped hard"
+    )
     api_keys: list[str] | None = option(None, help="bearer tokens accepted by the router (unset: no auth)")
     api_keys_file: str | None = option(
         None, help="a file of bearer tokens, one per line (e.g. a mounted Kubernetes Secret), added to api_keys"

@@ -7,7 +7,12 @@ OpenAI-style JSON error with the HTTP status the code maps to (``http_status``).
 
 from __future__ import annotations
 
+import logging
+import uuid
+
 import grpc
+
+log = logging.getLogger(__name__)
 
 
 class RpcError(Exception):
@@ -21,6 +26,17 @@ class RpcError(Exception):
 
     def __str__(self) -> str:
         return f"{self.code.name}: {self.details}"
+
+
+def internal_error(exc: BaseException, request_id: str | None = None,
+                   code: grpc.StatusCode = grpc.StatusCode.INTERNAL) -> RpcError:
+    """The error a client gets for a failure that is not its fault: a generic message with a request
+    id, never the exception's text (it can hold paths, addresses, other requests' data). The details
+    are logged here with the same id, so an operator can find them from what the client saw."""
+    rid = request_id or uuid.uuid4().hex
+    log.error("request %s failed (%s): %r", rid, code.name, exc, exc_info=exc)
+    what = "the server is unavailable" if code == grpc.StatusCode.UNAVAILABLE else "internal error"
+    return RpcError(code, f"{what} (request id {rid}); the server's log has the details")
 
 
 # (HTTP status, OpenAI error type, OpenAI error code) per gRPC code.

@@ -24,7 +24,7 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from draftmesh.io_struct import InvalidField, ServedResult, ServeRequest, StepEvent
 from draftmesh.router import openai_api as oa
-from draftmesh.router.errors import RpcError, http_status
+from draftmesh.router.errors import RpcError, http_status, internal_error
 from draftmesh.router.telemetry import HttpCall
 
 # The router makes the server span and the metrics of each request itself, for both faces alike
@@ -139,6 +139,11 @@ class HttpFace:
         except HttpError as exc:
             call.status = exc.status
             return error_response(exc.status, exc.message, exc.type, exc.param, exc.code)
+        except Exception as exc:  # a bug: a generic 500 with an id, the details in the log
+            error = internal_error(exc, request.headers.get(REQUEST_ID_HEADER))
+            call.fail(error)
+            call.status, response = _rpc_error_response(error, None)
+            return response
         finally:
             call.end()
 
@@ -179,7 +184,12 @@ class HttpFace:
         except HttpError as exc:
             call.status = exc.status
             return error_response(exc.status, exc.message, exc.type, exc.param, exc.code)
-        except BaseException as exc:
+        except Exception as exc:  # a bug: a generic 500 with an id, the details in the log
+            error = internal_error(exc, req.request_id if admitted else request.headers.get(REQUEST_ID_HEADER))
+            call.fail(error)
+            call.status, response = _rpc_error_response(error, face)
+            return response
+        except BaseException as exc:  # cancelled
             call.fail(exc)
             raise
         finally:
@@ -212,7 +222,9 @@ class HttpFace:
                     event = await anext(events)
                 except StopAsyncIteration:
                     raise RpcError(grpc.StatusCode.INTERNAL, "the verifier ended without a result") from None
-        except RpcError as exc:  # after the 200: the error as the stream's last event
+        except (RpcError, Exception) as exc:  # after the 200: the error as the stream's last event
+            if not isinstance(exc, RpcError):  # a bug: generic text with the id, the details in the log
+                exc = internal_error(exc, rid)
             call.fail(exc)
             call.status, response = _rpc_error_response(exc, face)
             yield b"data: " + response.body + b"\n\n"

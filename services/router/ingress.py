@@ -28,7 +28,7 @@ from draftmesh.factcheck.protocol import annotation_id_for_text
 from draftmesh.io_struct import Rejected, ServedResult, ServeRequest, StepEvent
 from draftmesh.metrics import RayMetrics
 from draftmesh.router.auth import ApiKeyAuth
-from draftmesh.router.errors import RpcError
+from draftmesh.router.errors import RpcError, internal_error
 from draftmesh.router.http_face import HttpFace, http_app
 from draftmesh.router.responses import report_to_proto, result_to_proto, step_to_proto
 from draftmesh.router.telemetry import RouterMetrics, RpcCall
@@ -205,22 +205,27 @@ class Router(HttpFace):
                 if not started and attempt == 1 and _is_replica_loss(exc):
                     log.warning("verifier replica lost before request %s started; retrying: %r", req.request_id, exc)
                     continue
-                log.error("request %s failed in the verifier: %r", req.request_id, exc)
-                raise RpcError(grpc.StatusCode.UNAVAILABLE if _is_replica_loss(exc) else grpc.StatusCode.INTERNAL,
-                               f"verifier failed: {type(exc).__name__}: {str(exc)[:300]}")
+                raise internal_error(exc, req.request_id,
+                                     grpc.StatusCode.UNAVAILABLE if _is_replica_loss(exc) else grpc.StatusCode.INTERNAL)
             finally:
                 stream.cancel()
 
 
 @contextmanager
 def _status_on(ctx: RayServegRPCContext) -> Iterator[None]:
-    """The gRPC face: an RpcError's code and details go on the call (Serve's proxy sends them)."""
+    """The gRPC face: an RpcError's code and details go on the call (Serve's proxy sends them); any
+    other exception becomes a generic INTERNAL with a request id (Serve's proxy would send its text)."""
     try:
         yield
     except RpcError as exc:
         ctx.set_code(exc.code)
         ctx.set_details(exc.details)
         raise
+    except Exception as exc:
+        error = internal_error(exc)
+        ctx.set_code(error.code)
+        ctx.set_details(error.details)
+        raise error from None
 
 
 _REJECTED_FIELDS = re.compile(r"\b(max_new_tokens|prompt|stop|speculation\.\w+|documents)\b")

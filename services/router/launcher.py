@@ -1,5 +1,9 @@
-"""Start and stop the whole mesh: Redis, the fact-check workers, Ray, Serve's gRPC proxy, the app,
-the TLS gateway.
+"""Start and stop the whole mesh: the gateway (the public port, answering "starting"), Redis, the
+fact-check workers, Ray, Serve's gRPC proxy (loopback only), the app.
+
+The gateway is the one public gRPC port, TLS or not: Serve's proxy listens on a free loopback port
+behind it (``loopback`` keeps it there, and start-up checks that it did). Stopping drains the
+gateway first (``serve.drain_s``), so the rest stops with no request in flight.
 
 ``draftmesh serve`` and the service tests both go through ``start_mesh`` so that what the
 tests exercise is what users run.
@@ -9,6 +13,7 @@ from __future__ import annotations
 
 import logging
 import os
+import threading
 import time
 from dataclasses import dataclass, field
 from typing import Any, Callable
@@ -18,6 +23,8 @@ from draftmesh.factcheck.processes import WorkerProcesses
 from draftmesh.net import free_port
 from draftmesh.redis_server import EmbeddedRedis
 from draftmesh.router.app import APP_NAME, GRPC_SERVICER_FUNCTIONS, build_app
+from draftmesh.router.auth import ApiKeyAuth
+from draftmesh.router.loopback import HOOK, exposed_on
 from draftmesh.router.tls_gateway import TlsGateway, load_tls_files
 
 log = logging.getLogger(__name__)
@@ -38,10 +45,21 @@ class RunningMesh:
     """Where HTTP clients (the OpenAI-compatible API) connect (host:port); empty when serve.http_port is 0."""
     metrics_address: str = ""
     """Where Prometheus scrapes this node's metrics (host:port, path /metrics), if known."""
+    upstream_address: str = ""
+    """Serve's own gRPC proxy (loopback only, behind the gateway)."""
+    gateway: Any = None
+    """The front door's GatewayThread (the public gRPC port)."""
     _cleanup: list[Callable[[], Any]] = field(default_factory=list, repr=False)
 
-    def stop(self) -> None:
-        """Tear down in reverse order; each part is stopped even if another fails."""
+    def stop(self, drain_s: float = 0.0) -> None:
+        """Drain the gateway (calls in flight get ``drain_s`` seconds, then are cancelled, which
+        cancels them in the verifier), then tear down the rest in reverse order; each part is
+        stopped even if another fails."""
+        if self.gateway is not None:
+            try:
+                self.gateway.stop(drain_s, timeout=drain_s + 10)
+            except Exception:
+                log.exception("error while stopping the gateway")
         while self._cleanup:
             step = self._cleanup.pop()
             try:
@@ -60,6 +78,19 @@ def start_mesh(cfg: DraftmeshConfig, *, ray_init: dict[str, Any] | None = None) 
     t0 = time.perf_counter()
     running = RunningMesh(cfg, address="", started_s=0.0)
     try:
+        serve_cfg = cfg.serve
+        cert = key = None
+        if serve_cfg.tls_cert is not None:
+            cert, key = load_tls_files(serve_cfg.tls_cert, serve_cfg.tls_key)
+        proxy_port = free_port()
+        # First, so that the public port answers "starting" (ours), never Ray's NOT_FOUND, and a
+        # port in use fails before Ray is started.
+        gateway = running.gateway = TlsGateway(
+            f"127.0.0.1:{proxy_port}", serve_cfg.grpc_port, cert, key,
+            auth=ApiKeyAuth.from_config(serve_cfg), application=APP_NAME, ready=False,
+            max_concurrent_rpcs=serve_cfg.max_streams, max_message_bytes=cfg.limits.max_body_bytes,
+        ).run_in_thread()
+        running._cleanup.append(gateway.stop)
         os.environ.setdefault("RAY_USAGE_STATS_ENABLED", "0")
         os.environ.setdefault("HF_HUB_OFFLINE", "1")
         redis_url = cfg.serve.redis_url
@@ -83,8 +114,13 @@ def start_mesh(cfg: DraftmeshConfig, *, ray_init: dict[str, Any] | None = None) 
             ).start()
             running._cleanup.append(workers.stop)
 
+        private = not ray.is_initialized() and serve_cfg.address is None
         if not ray.is_initialized():
             options = dict(ray_init or {})
+            # Every worker (the Serve proxy, the replicas) binds its gRPC servers on loopback.
+            runtime_env = dict(options.get("runtime_env") or {})
+            runtime_env.setdefault("worker_process_setup_hook", HOOK)
+            options["runtime_env"] = runtime_env
             if serve_cfg.address is None:
                 # A private single-machine cluster: no token auth to configure, no dashboard;
                 # its metrics agent serves every replica's metrics on one port.
@@ -94,8 +130,6 @@ def start_mesh(cfg: DraftmeshConfig, *, ray_init: dict[str, Any] | None = None) 
             _init_ray(serve_cfg.address or "local", options)
             running._cleanup.append(ray.shutdown)
 
-        tls = serve_cfg.tls_cert is not None
-        proxy_port = free_port() if tls else serve_cfg.grpc_port
         # The HTTP face off: Serve's HTTP proxy still runs (it is the gRPC proxy's process) on loopback only.
         http_on = serve_cfg.http_port != 0
         http_options = {"host": "0.0.0.0", "port": serve_cfg.http_port} if http_on else {"host": "127.0.0.1", "port": free_port()}
@@ -105,26 +139,69 @@ def start_mesh(cfg: DraftmeshConfig, *, ray_init: dict[str, Any] | None = None) 
             logging_config={"log_level": serve_cfg.log_level},
         )
         if serve_cfg.address is None:
-            running._cleanup.append(serve.shutdown)  # our private cluster: all of Serve goes
-        # On an existing cluster only our app goes; Serve and other apps stay up.
+            # Our private cluster: all of Serve goes (with our app), politely but bounded: a replica that
+            # missed its cancellation (Ray's proxy loses a few) would hold it for its graceful timeout,
+            # and ray.shutdown (next) stops every process anyway.
+            running._cleanup.append(lambda: _bounded(serve.shutdown, SERVE_SHUTDOWN_S, "serve.shutdown"))
+        else:  # on an existing cluster only our app goes; Serve and other apps stay up
+            running._cleanup.append(lambda: serve.delete(APP_NAME))
         serve.run(build_app(cfg), name=APP_NAME, route_prefix="/", blocking=False,
                   logging_config={"log_level": serve_cfg.log_level})
-        running._cleanup.append(lambda: serve.delete(APP_NAME))
-        address = f"localhost:{proxy_port}"
-        if tls:
-            cert, key = load_tls_files(serve_cfg.tls_cert, serve_cfg.tls_key)
-            gateway = TlsGateway(f"127.0.0.1:{proxy_port}", serve_cfg.grpc_port, cert, key).run_in_thread()
-            running._cleanup.append(gateway.stop)
-            address = f"localhost:{serve_cfg.grpc_port}"
+        running.upstream_address = f"127.0.0.1:{proxy_port}"
+        check_upstream_private(proxy_port, strict=private)
         if workers is not None:
             workers.wait_ready()
-        running.address = address
+        gateway.set_ready()
+        running.address = f"localhost:{gateway.port}"
         running.http_address = f"localhost:{serve_cfg.http_port}" if http_on else ""
         running.started_s = time.perf_counter() - t0
         return running
     except BaseException:
         running.stop()
         raise
+
+
+SERVE_SHUTDOWN_S = 10.0
+"""How long stopping a private mesh waits for Serve's own graceful shutdown before Ray's."""
+
+
+def _bounded(step: Callable[[], Any], timeout_s: float, what: str) -> None:
+    """Run ``step`` in a daemon thread; give up waiting (with a warning) after ``timeout_s``."""
+
+    errors: list[BaseException] = []
+
+    def run() -> None:
+        try:
+            step()
+        except BaseException as exc:  # noqa: BLE001 - reported below
+            errors.append(exc)
+
+    thread = threading.Thread(target=run, name=f"draftmesh-{what}", daemon=True)
+    thread.start()
+    thread.join(timeout_s)
+    if thread.is_alive():
+        log.warning("%s did not finish in %.0fs; going on", what, timeout_s)
+    elif errors:
+        raise errors[0]
+
+
+class UpstreamExposed(RuntimeError):
+    """Serve's plaintext gRPC proxy answers on a non-loopback address: the gateway could be bypassed."""
+
+
+def check_upstream_private(port: int, *, strict: bool = True) -> None:
+    """Refuse to serve (``strict``: our private cluster, where ``loopback`` should have held) or
+    log an error (an existing cluster whose Serve someone else started) when Serve's gRPC proxy is
+    reachable on one of this machine's non-loopback addresses."""
+    exposed = exposed_on(port)
+    if not exposed:
+        return
+    message = (f"Serve's plaintext gRPC proxy (port {port}) is reachable on {', '.join(exposed)}: clients could "
+               "bypass the gateway (TLS, keys, caps). The loopback patch did not apply (a Ray version other than "
+               "the tested 2.60, or a Serve started elsewhere); firewall that port")
+    if strict:
+        raise UpstreamExposed(message)
+    log.error(message)
 
 
 STARTUP_TIMEOUTS = ("Timed out waiting for file", "timed out during startup")

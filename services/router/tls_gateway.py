@@ -1,9 +1,16 @@
-"""A TLS-terminating gRPC gateway in front of Ray Serve's (plaintext) gRPC proxy.
+"""The front door: a gRPC gateway in front of Ray Serve's (plaintext, loopback-only) gRPC proxy.
 
-Ray Serve's gRPC proxy binds an insecure port only. When the operator configures a TLS
-certificate and key, `draftmesh serve` runs the Serve proxy on a loopback port and puts
-this gateway on the public port: it terminates TLS and forwards every call, byte for
-byte, to the proxy.
+Ray Serve's gRPC proxy binds an insecure port only, and has no caps of its own. `draftmesh serve`
+always runs the Serve proxy on a loopback port (``loopback``) and puts this gateway on the public
+port: it terminates TLS (when given a certificate and key; plaintext otherwise) and forwards every
+call, byte for byte, to the proxy. Before forwarding it refuses, without reading the message body:
+  * every call while the app is not deployed yet (UNAVAILABLE "starting", our words, not Ray's
+    NOT_FOUND "Application metadata not set");
+  * a call without a valid bearer key (UNAUTHENTICATED), when keys are configured: the refusal is answered from the headers, so a 64 MiB unauthenticated message is never
+    buffered (the router checks the key again: it also serves the HTTP face);
+and it bounds the calls in flight (``max_concurrent_rpcs``: RESOURCE_EXHAUSTED beyond) and the
+message size, and pins Ray Serve's ``application`` metadata to our app (a client cannot reach
+another Serve app of the cluster through our port).
 
 Forwarding is generic: a single `grpc.GenericRpcHandler` answers every method name and
 never parses a message (identity serializers on both sides). A generic handler cannot
@@ -38,6 +45,7 @@ from typing import Any
 import grpc
 import grpc.aio
 
+from draftmesh.auth import ApiKeyAuth
 from draftmesh.v1 import draft_source_pb2, generation_pb2
 
 log = logging.getLogger(__name__)
@@ -54,6 +62,14 @@ DEFAULT_MAX_MESSAGE_BYTES = 64 * 1024 * 1024
 _RESERVED_HEADERS = frozenset(
     {"content-type", "te", "host", "user-agent", "connection", "transfer-encoding", "upgrade"}
 )
+# Ray Serve's routing header: which Serve application a call goes to (pinned by the gateway).
+APPLICATION_HEADER = "application"
+STARTING = "draftmesh is starting: the application is not deployed yet; retry shortly"
+# Ray Serve's own health methods answer without a key (container health checks carry none).
+UNAUTHENTICATED_METHODS = frozenset(
+    {"/ray.serve.RayServeAPIService/Healthz", "/ray.serve.RayServeAPIService/ListApplications"}
+)
+
 # The one `grpc-` header applications legitimately set: rich error details (google.rpc.Status).
 _ALLOWED_GRPC_HEADERS = frozenset({"grpc-status-details-bin"})
 
@@ -108,8 +124,11 @@ def server_streaming_methods(file_descriptors: Iterable[Any] | None = None) -> f
 # --------------------------------------------------------------------------- metadata
 
 
-def _forwardable(metadata: Iterable[Any] | None) -> tuple[tuple[str, Any], ...]:
-    """Metadata minus pseudo headers (":path"), transport headers and reserved `grpc-*` keys."""
+def _forwardable(metadata: Iterable[Any] | None, application: str | None = None) -> tuple[tuple[str, Any], ...]:
+    """Metadata minus pseudo headers (":path"), transport headers and reserved `grpc-*` keys.
+
+    ``application``: the Serve app every call goes to; a client's own ``application`` headers are
+    dropped and this one is set (None: forwarded as they came)."""
     out: list[tuple[str, Any]] = []
     for item in metadata or ():
         key, value = item[0], item[1]
@@ -118,8 +137,23 @@ def _forwardable(metadata: Iterable[Any] | None) -> tuple[tuple[str, Any], ...]:
             continue
         if k.startswith("grpc-") and k not in _ALLOWED_GRPC_HEADERS:
             continue
+        if application is not None and k == APPLICATION_HEADER:
+            continue
         out.append((k, value))
+    if application is not None:
+        out.append((APPLICATION_HEADER, application))
     return tuple(out)
+
+
+def _refusal(code: grpc.StatusCode, details: str) -> grpc.RpcMethodHandler:
+    """A handler that refuses a call from its headers alone: declared request-streaming so that
+    gRPC hands it over before reading any message (a unary handler would first receive the whole
+    body, up to the size cap), and it never reads one."""
+
+    async def refuse(requests: Any, context: grpc.aio.ServicerContext) -> None:
+        await context.abort(code, details)
+
+    return grpc.stream_stream_rpc_method_handler(refuse)
 
 
 # --------------------------------------------------------------------------- the gateway
@@ -132,6 +166,9 @@ class _ForwardingHandler(grpc.GenericRpcHandler):
     def service(self, handler_call_details: grpc.HandlerCallDetails) -> grpc.RpcMethodHandler:
         method = handler_call_details.method
         gw = self._gateway
+        refused = gw._refuse(method, handler_call_details.invocation_metadata)
+        if refused is not None:
+            return _refusal(*refused)
         kind = gw.kinds.get(method, UNARY_UNARY)
         # No (de)serializers: requests and responses stay bytes end to end.
         if kind == UNARY_STREAM:
@@ -162,6 +199,10 @@ class _ForwardingHandler(grpc.GenericRpcHandler):
 class TlsGateway:
     """Terminates TLS on `host:port` and forwards every gRPC call to `upstream` (plaintext).
 
+    `cert_pem` and `key_pem` both None: the public port is plaintext too (the checks still apply).
+    `auth`: the bearer keys calls must present (None or no keys: no check). `application`: the
+    Serve app every call is pinned to (None: the client's header is forwarded). `ready=False`:
+    every call answers UNAVAILABLE "starting" until `set_ready()`.
     `port=0` picks a free port; the bound port is `.port` after `start()`.
     `extra_descriptors` adds proto file descriptors whose streaming methods must be known
     (methods not described anywhere are forwarded as unary-unary).
@@ -171,27 +212,35 @@ class TlsGateway:
         self,
         upstream: str,
         port: int,
-        cert_pem: bytes,
-        key_pem: bytes,
+        cert_pem: bytes | None,
+        key_pem: bytes | None,
         *,
         host: str = "[::]",
         max_concurrent_rpcs: int | None = None,
         max_message_bytes: int = DEFAULT_MAX_MESSAGE_BYTES,
         extra_descriptors: Sequence[Any] = (),
+        auth: ApiKeyAuth | None = None,
+        application: str | None = None,
+        ready: bool = True,
     ):
         if not upstream:
             raise ValueError("upstream: must be a host:port address")
         if not 0 <= int(port) <= 65535:
             raise ValueError(f"port: must be in [0, 65535], got {port}")
-        if not cert_pem or not key_pem:
+        if (cert_pem is None) != (key_pem is None) or (cert_pem is not None and (not cert_pem or not key_pem)):
             raise TlsConfigError("TLS gateway needs both a PEM certificate chain and a PEM private key")
+        if int(max_message_bytes) < 1:
+            raise ValueError(f"max_message_bytes: must be >= 1, got {max_message_bytes}")
         if max_concurrent_rpcs is not None and max_concurrent_rpcs < 1:
             raise ValueError(f"max_concurrent_rpcs: must be >= 1, got {max_concurrent_rpcs}")
         self.upstream = upstream
         self.host = host
         self._requested_port = int(port)
-        self._cert_pem = bytes(cert_pem)
-        self._key_pem = bytes(key_pem)
+        self._cert_pem = None if cert_pem is None else bytes(cert_pem)
+        self._key_pem = None if key_pem is None else bytes(key_pem)
+        self._auth = auth if auth is not None and auth.enabled else None
+        self.application = application
+        self._ready = bool(ready)
         self._max_concurrent_rpcs = max_concurrent_rpcs
         self._max_message_bytes = int(max_message_bytes)
         self.kinds: dict[str, str] = method_kinds()
@@ -215,6 +264,28 @@ class TlsGateway:
         return f"{self.host}:{self.port}"
 
     @property
+    def tls(self) -> bool:
+        return self._cert_pem is not None
+
+    @property
+    def ready(self) -> bool:
+        return self._ready
+
+    def set_ready(self, ready: bool = True) -> None:
+        """From now on calls are forwarded (False: answered "starting" again). Thread-safe: a flag."""
+        self._ready = bool(ready)
+
+    def _refuse(self, method: str, metadata: Any) -> tuple[grpc.StatusCode, str] | None:
+        """(code, details) when a call is refused from its method and headers alone, else None."""
+        if not self._ready:
+            return grpc.StatusCode.UNAVAILABLE, STARTING
+        if self._auth is not None and method not in UNAUTHENTICATED_METHODS:
+            reason = self._auth.check(metadata)
+            if reason is not None:
+                return grpc.StatusCode.UNAUTHENTICATED, reason
+        return None
+
+    @property
     def server_streaming(self) -> frozenset[str]:
         return frozenset(m for m, k in self.kinds.items() if k in (UNARY_STREAM, STREAM_STREAM))
 
@@ -228,10 +299,12 @@ class TlsGateway:
         """Binds the TLS port, connects to the upstream and starts serving; returns the port."""
         if self._server is not None:
             raise RuntimeError("TlsGateway already started")
-        try:
-            credentials = grpc.ssl_server_credentials([(self._key_pem, self._cert_pem)])
-        except Exception as exc:  # noqa: BLE001
-            raise TlsConfigError(f"unusable TLS certificate/key: {exc}") from exc
+        credentials = None
+        if self.tls:
+            try:
+                credentials = grpc.ssl_server_credentials([(self._key_pem, self._cert_pem)])
+            except Exception as exc:  # noqa: BLE001
+                raise TlsConfigError(f"unusable TLS certificate/key: {exc}") from exc
         server = grpc.aio.server(
             maximum_concurrent_rpcs=self._max_concurrent_rpcs,
             # No SO_REUSEPORT: a port already in use must be an error, not a silent share.
@@ -240,7 +313,8 @@ class TlsGateway:
         server.add_generic_rpc_handlers((_ForwardingHandler(self),))
         address = f"{self.host}:{self._requested_port}"
         try:
-            bound = server.add_secure_port(address, credentials)
+            bound = (server.add_secure_port(address, credentials) if credentials is not None
+                     else server.add_insecure_port(address))
         except RuntimeError as exc:
             raise OSError(f"TLS gateway could not bind {address}: {exc}") from exc
         if not bound:
@@ -254,7 +328,8 @@ class TlsGateway:
             raise
         self._server = server
         self._port = bound
-        log.info("TLS gateway listening on %s:%d, forwarding to %s", self.host, bound, self.upstream)
+        log.info("gateway (%s) listening on %s:%d, forwarding to %s", "TLS" if self.tls else "plaintext",
+                 self.host, bound, self.upstream)
         return bound
 
     async def stop(self, grace: float | None = None) -> None:
@@ -292,11 +367,10 @@ class TlsGateway:
         }[kind]
         return factory(method)  # no serializers: bytes in, bytes out
 
-    @staticmethod
-    def _call_kwargs(context: grpc.aio.ServicerContext) -> dict[str, Any]:
+    def _call_kwargs(self, context: grpc.aio.ServicerContext) -> dict[str, Any]:
         # time_remaining() is None when the client set no deadline.
         return {
-            "metadata": _forwardable(context.invocation_metadata()),
+            "metadata": _forwardable(context.invocation_metadata(), self.application),
             "timeout": context.time_remaining(),
         }
 
@@ -389,6 +463,10 @@ class GatewayThread:
 
     def is_alive(self) -> bool:
         return self._thread.is_alive()
+
+    def set_ready(self, ready: bool = True) -> None:
+        """See `TlsGateway.set_ready`."""
+        self.gateway.set_ready(ready)
 
     def stop(self, grace: float | None = None, timeout: float | None = 30.0) -> None:
         """Stops the gateway (in-flight calls get `grace` seconds) and joins the thread. Idempotent."""

@@ -325,6 +325,24 @@ def test_tls_gateway_in_front_of_the_mesh(mesh, tmp_path):
         gateway.stop()
 
 
+def test_the_gateway_cannot_be_bypassed_and_pins_the_app(mesh, stub):
+    """Serve's plaintext proxy answers on loopback only; the gateway's port on every interface; a client's
+    `application` header cannot pick another Serve app (issue 18)."""
+    from draftmesh.router.loopback import non_loopback_addresses, reachable
+
+    others = non_loopback_addresses()
+    if not others:
+        pytest.skip("this machine has no non-loopback address to test from")
+    upstream_port = int(mesh.upstream_address.rsplit(":", 1)[1])
+    public_port = int(mesh.address.rsplit(":", 1)[1])
+    assert upstream_port != public_port and reachable("127.0.0.1", upstream_port)
+    for address in others:
+        assert reachable(address, public_port), address
+        assert not reachable(address, upstream_port), f"Serve's proxy answers on {address}:{upstream_port}"
+    got = stub.Complete(chat("Say OK.", 4), metadata=AUTH + (("application", "someone-elses-app"),), timeout=120)
+    assert got.usage.completion_tokens >= 1
+
+
 # ---------------------------------------------------------------------------- deadlines, cancellation, load
 # Ray Serve 2.60's gRPC proxy sometimes loses a client's cancellation: when it arrives while the
 # proxy is handing a message to the client, send_request_to_replica catches the GeneratorExit,
