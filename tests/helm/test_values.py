@@ -25,7 +25,8 @@ CHART_OWNED = {
     "serve.redis_url", "serve.log_level", "serve.api_keys_file", "factcheck.enabled", "factcheck.workers",
 } | {f"factcheck.{leaf.name}" for leaf in leaves(FactCheckConfig)}  # the workers' options (factcheck.options)
 # Config fields that do not apply on Kubernetes (documented in values.yaml and helm/README.md).
-NOT_APPLICABLE = {"serve.address", "serve.api_keys", "serve.tls_cert", "serve.tls_key", "factcheck.python"}
+NOT_APPLICABLE = {"serve.address", "serve.api_keys", "serve.tls_cert", "serve.tls_key", "factcheck.python",
+                  "serve.redis_maxmemory_bytes"}  # the embedded redis-server's; the chart's Redis: redis.maxmemory
 
 
 def schema_at(*path: str) -> dict:
