@@ -24,6 +24,8 @@ class SourceEnv:
     vocab_size: int | None = None
     """The target's output vocabulary (can exceed the tokenizer's: padded embeddings)."""
     redis_url: str | None = None
+    answer_store_max_bytes: int = 0
+    """Byte bound of the Redis answer store (``serve.answer_store_max_bytes``; 0: none)."""
 
 
 SourceFactory = Callable[..., DraftSource]
@@ -46,7 +48,7 @@ def _history(env: SourceEnv, **options: Any) -> DraftSource:
     if env.redis_url:
         from draftmesh.draft.redis_store import RedisAnswerStore  # lazy: a source's module loads when it is used
 
-        store = RedisAnswerStore.from_url(env.redis_url, hasher=hasher)
+        store = RedisAnswerStore.from_url(env.redis_url, hasher=hasher, max_bytes=env.answer_store_max_bytes)
     else:
         store = InMemoryAnswerStore(hasher=hasher)
     options.setdefault("tokenizer", env.tokenizer)

@@ -272,6 +272,29 @@ class SpeculativeDecoder:
             "kv_budget_bytes": sched.limits.kv_budget_bytes,
         }
 
+    def sizes(self) -> dict[str, int]:
+        """Bytes held by the replica's bounded caches, for the size gauges: the pooled session KV,
+        the live rag indexes, the answer store and its Redis's ``used_memory``. The last two are
+        Redis round trips: call this outside the steps (the replica does, after a request)."""
+        out: dict[str, int] = {}
+        sched = self._scheduler
+        if self.kv_pool is not None and sched is not None:
+            out["session_kv_bytes"] = self.kv_pool.stats()["cached_tokens"] * sched.kv.bytes_per_token
+        for source in self.sources:
+            stats = source.stats() if isinstance(source, PreparingSource) and hasattr(source, "stats") else None
+            if isinstance(stats, dict) and "index_bytes" in stats:
+                out["rag_index_bytes"] = out.get("rag_index_bytes", 0) + int(stats["index_bytes"])
+        for source in self.sources:
+            store = getattr(source, "store", None)
+            if callable(getattr(store, "nbytes", None)):
+                try:
+                    out["answer_store_bytes"] = store.nbytes()
+                    out["redis_used_bytes"] = int(store.client.info("memory")["used_memory"])
+                except Exception:  # a size gauge never fails a request
+                    log.warning("answer store sizes unavailable", exc_info=True)
+                break
+        return out
+
     # ------------------------------------------------------------------ a request's part of a step
     def draft_step(self, run: RequestRun, cache_len: int) -> ScoredTree | None:
         """Ask the request's sources; return its candidate nodes for the batch budget, or None

@@ -35,6 +35,7 @@ def build_decoder(
     batch_observer=None,
     max_document_tokens: int | None = None,
     rag_budget_bytes: int | None = None,
+    answer_store_max_bytes: int = 0,
 ) -> SpeculativeDecoder:
     """``sources=None`` means the default set; an empty list means plain decoding.
 
@@ -49,7 +50,8 @@ def build_decoder(
     unknown = sorted(set(options) - set(registry.available()))
     if unknown:
         raise ValueError(f"options given for unknown draft sources: {', '.join(unknown)}")
-    env = registry.SourceEnv(tokenizer=target.tokenizer, vocab_size=target.vocab_size, redis_url=redis_url)
+    env = registry.SourceEnv(tokenizer=target.tokenizer, vocab_size=target.vocab_size, redis_url=redis_url,
+                             answer_store_max_bytes=answer_store_max_bytes)
     options = dict(options)
     if rag_budget_bytes is not None and "rag" in names:
         options["rag"] = {"budget_bytes": rag_budget_bytes, **options.get("rag", {})}
@@ -99,6 +101,7 @@ def decoder_from_config(
         batch_observer=batch_observer,
         max_document_tokens=cfg.limits.max_document_tokens,
         rag_budget_bytes=cfg.sources.rag_budget_bytes,
+        answer_store_max_bytes=cfg.serve.answer_store_max_bytes,
     )
 
 
