@@ -164,3 +164,13 @@ class PreparingSource(DraftSource, Protocol):
     def prepare(self, ctx: DraftContext) -> Any: ...
 
     def release(self, state: Any) -> None: ...
+
+
+@runtime_checkable
+class RequestScopedSource(DraftSource, Protocol):
+    """A source that keeps state per ``ctx.request_id`` between steps (history's indexes, llm's
+    draft KV). ``forget`` is called when the request ends however it ends (finished, failed,
+    cancelled), from inside the batched step: it must be quick and must never wait for a
+    ``propose`` in progress."""
+
+    def forget(self, request_id: str) -> None: ...

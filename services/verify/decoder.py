@@ -32,6 +32,7 @@ from draftmesh.draft.base import (
     LearningSource,
     PreparingSource,
     Proposal,
+    RequestScopedSource,
     bounded,
     sliced,
 )
@@ -233,13 +234,19 @@ class SpeculativeDecoder:
 
     def end_request(self, run: RequestRun) -> None:
         """Free what the request held outside its KV row: the builder's per-request state, the
-        sources' late calls and prepared state (rag's index). Called once per request by the
+        sources' late calls, per-request state (``RequestScopedSource``) and prepared state
+        (rag's index). Called once per request by the
         scheduler when it finishes, fails or is cancelled (idempotent)."""
         rid = run.req.request_id
         self.builder.finish(rid)
         self.caller.forget(rid)
         prepared, run.prepared = run.prepared, {}
         for source in self.sources:
+            if isinstance(source, RequestScopedSource):
+                try:
+                    source.forget(rid)
+                except Exception:
+                    log.exception("draft source %s failed to forget request %s", source.name, rid)
             if source.name in prepared:
                 try:
                     source.release(prepared[source.name])
