@@ -115,12 +115,13 @@ def create(name: str, env: SourceEnv | None = None, **options: Any) -> DraftSour
 
 
 def build_source(name: str, model: str, *, options: Mapping[str, Any] | None = None, factory: str | None = None,
-                 redis_url: str | None = None) -> DraftSource:
+                 redis_url: str | None = None, answer_store_max_bytes: int = 0) -> DraftSource:
     """A source outside any verifier (a Serve draft deployment, `draftmesh draft-serve`),
     with the tokenizer of the target ``model``: the built-in ``name``, or ``factory``
     ("package.module:callable") called as factory(env, **options)."""
     tokenizer = load_tokenizer(model)
-    env = SourceEnv(tokenizer=tokenizer, vocab_size=len(tokenizer), redis_url=redis_url)
+    env = SourceEnv(tokenizer=tokenizer, vocab_size=len(tokenizer), redis_url=redis_url,
+                    answer_store_max_bytes=answer_store_max_bytes)
     options = dict(options or {})
     if factory:
         module, _, attr = str(factory).partition(":")

@@ -78,3 +78,11 @@ def test_no_maxmemory_when_unset():
         client = redis.Redis.from_url(server.url)
         assert client.config_get("maxmemory") == {"maxmemory": "0"}
         client.close()
+
+
+def test_a_history_served_outside_the_verifier_gets_the_byte_bound(redis_server):
+    """A Serve draft deployment's history (built by ``build_source``) has the same bound as the verifier's."""
+    from draftmesh.draft.registry import build_source
+
+    source = build_source("history", "smollm2-135m", redis_url=redis_server.url, answer_store_max_bytes=12345)
+    assert source.store.max_bytes == 12345
