@@ -44,6 +44,8 @@ class _Call:
     token_ids: tuple[int, ...]
     late: bool = False
     """Missed its step's deadline: its answer may serve the request's next step."""
+    forgotten: bool = False
+    """Its request ended while it ran: kept only so it still counts against the source's cap."""
 
 
 @dataclass
@@ -77,10 +79,18 @@ class SourceCaller:
         return sum(1 for (_, n), c in self._running.items() if n == name and not c.future.done())
 
     def forget(self, request_id: str) -> None:
-        """Drop a finished request's calls (a late answer can no longer serve it)."""
+        """Drop an ended request's calls (a late answer can no longer serve it); one still running
+        is kept until it returns, so a source hanging on every context stays within its cap."""
         with self._lock:
             for key in [k for k in self._running if k[0] == request_id]:
-                del self._running[key]
+                if self._running[key].future.done():
+                    del self._running[key]
+                else:
+                    self._running[key].forgotten = True
+
+    def _prune(self) -> None:
+        for key in [k for k, c in self._running.items() if c.forgotten and c.future.done()]:
+            del self._running[key]
 
     def running(self) -> int:
         """Calls kept (running, or late answers waiting for their request's next step)."""
@@ -101,6 +111,7 @@ class SourceCaller:
         late_answers: dict[str, list[Proposal]] = {}
         ids = tuple(ctx.token_ids)
         with self._lock:
+            self._prune()
             for source in sources:
                 key = (ctx.request_id, source.name)
                 previous = self._running.get(key)

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import threading
+import time
 
 from draftmesh.draft.base import DraftContext, Proposal
 from draftmesh.verify.source_caller import SourceCaller
@@ -58,7 +59,27 @@ def test_finished_requests_are_forgotten():
         caller.call([src], ctx("a"))
         caller.call([src], ctx("b"))  # answered in time: nothing kept
         assert caller.running() == 1
+        src.gate.set()
+        time.sleep(0.1)
+        caller.forget("a")  # its late answer can serve nobody now
+        assert caller.running() == 0
+    finally:
+        src.gate.set()
+        caller.close()
+
+
+def test_a_forgotten_call_still_running_counts_against_the_cap():
+    src = GatedSource("remote", slow={"a", "b", "c"})
+    caller = SourceCaller(deadline_s=0.02, max_per_source=2)
+    try:
+        caller.call([src], ctx("a"))
+        caller.call([src], ctx("b"))
         caller.forget("a")
+        caller.forget("b")  # the requests ended, their calls still hang
+        assert caller.call([src], ctx("c")).failed == {"remote": "busy"}
+        src.gate.set()
+        time.sleep(0.1)
+        assert caller.call([src], ctx("c")).failed == {}  # returned: pruned, the cap is free again
         assert caller.running() == 0
     finally:
         src.gate.set()
