@@ -186,3 +186,16 @@ def test_the_fallback_cache_is_bounded_by_count_and_bytes():
     for rid in "abc":
         small.propose(DraftContext(token_ids=(5, 6), prompt_len=2, documents=DOCS, request_id=rid))
     assert small.stats()["cached"] == 1 and small.stats()["index_bytes"] <= small.budget_bytes
+
+
+def test_documents_checked_once_are_not_encoded_again(monkeypatch):
+    """The replica validates, then streams (which validates again): large documents are encoded once."""
+    target = tiny_target("llama")
+    decoder = SpeculativeDecoder(target, max_document_tokens=10)
+    req = GenerationRequest(prompt_ids=(2, 3), max_new_tokens=2, documents=("w5 w6 w7 w8 w9 w10 w11 w12",))
+    calls = []
+    encode = target.tokenizer.encode
+    monkeypatch.setattr(target.tokenizer, "encode", lambda *a, **k: calls.append(a) or encode(*a, **k))
+    decoder.validate(req)
+    decoder.validate(req)
+    assert len(calls) == 1
