@@ -198,6 +198,10 @@ class SourcesConfig:
     options: dict[str, dict[str, Any]] = option(
         default_factory=dict, help="per-source options, e.g. {rag: {paths: [docs/]}} (config file only)"
     )
+    rag_budget_bytes: int = option(
+        512 << 20, min=0,
+        help="bytes of all live rag indexes of a replica together; a request whose documents do not fit drafts without them",
+    )
     remote: dict[str, RemoteSource] = option(
         default_factory=dict,
         help="sources outside the verifier, by name: {address: host:port} for an external gRPC DraftSource, "
@@ -259,6 +263,10 @@ class LimitsConfig:
     max_messages: int = option(1024, min=1, help="most chat messages per request")
     max_documents: int = option(16, min=0, help="most inline documents per request")
     max_document_bytes: int = option(262144, min=1, help="largest inline document, in UTF-8 bytes")
+    max_document_total_bytes: int = option(1 << 20, min=1, help="all inline documents of a request together, in UTF-8 bytes")
+    max_document_tokens: int = option(
+        65536, min=1, help="all inline documents of a request together, in target tokens (the rag index takes ~0.5 KB a token)"
+    )
     max_stop_strings: int = option(8, min=1, help="most stop strings per request")
     max_stop_bytes: int = option(256, min=1, help="longest stop string, in UTF-8 bytes")
     max_id_chars: int = option(128, min=1, help="longest request_id, session_id or document id")
@@ -318,6 +326,14 @@ class ServeConfig:
     redis_url: str | None = option(
         None, env_fallback=REDIS_URL_ENV,
         help="the answer store's and fact-check streams' Redis (default: REDIS_URL, else an embedded redis-server)",
+    )
+    answer_store_max_bytes: int = option(
+        256 << 20, min=0,
+        help="bytes of answers and session turns the Redis answer store keeps (oldest evicted first; 0: no byte bound)",
+    )
+    redis_maxmemory_bytes: int = option(
+        1 << 30, min=0,
+        help="maxmemory of the embedded redis-server (policy volatile-lru: only keys with a TTL are evicted; 0: none)",
     )
     log_level: LogLevel = option("INFO", help="Ray Serve log level of the mesh's deployments and proxy")
 

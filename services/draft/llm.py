@@ -25,7 +25,9 @@ Two modes, chosen once from the tokenizers:
   probabilities). The tree builder aligns text to target ids.
 
 The draft model's KV cache is kept across the steps of a request (keyed by
-``ctx.request_id``, a bounded LRU). Each step the cache is cropped to the longest common
+``ctx.request_id``, an LRU bounded by count, ``max_requests``, and by the bytes of the
+caches' tensors, ``max_bytes``; a request's cache is dropped when it ends: ``finish``, or
+``forget`` from the decoder, which never waits for a running draft). Each step the cache is cropped to the longest common
 prefix of the ids it holds and the new context, and only the remaining ids are prefilled.
 Whatever the expansion appended is dropped before returning, so between calls the cache
 holds exactly the context ids. The request key only decides which cache is tried: the
@@ -110,6 +112,7 @@ class LLMSource:
         temperature: float = 1.0,
         max_seconds: float | None = None,
         max_requests: int = 8,
+        max_bytes: int = 1 << 30,
         target_vocab_size: int | None = None,
         seed: int | None = None,
     ) -> None:
@@ -120,6 +123,8 @@ class LLMSource:
         ``target_vocab_size``: width of the target's logits (and so of ``token_dists``);
         defaults to the draft's. Drafted ids never reach it.
         ``max_requests``: per-request caches kept (each holds the draft KV of a context).
+        ``max_bytes``: their tensors' bytes together (the least recently used go first; the
+        current request's cache is kept even when it alone is larger).
         """
         if max_nodes < 1 or top_k < 1 or max_depth < 1:
             raise ValueError("max_nodes, top_k and max_depth must be >= 1")
@@ -137,6 +142,11 @@ class LLMSource:
         self.temperature = float(temperature)
         self.max_seconds = max_seconds
         self.max_requests = max_requests
+        if max_bytes < 0:
+            raise ValueError(f"max_bytes must be >= 0, got {max_bytes}")
+        self.max_bytes = max_bytes
+        self._forgotten: set[str] = set()
+        self._forgotten_lock = threading.Lock()
         if same_tokenizer is None:
             same_tokenizer = target_tokenizer is None or _same_vocab(draft.tokenizer, target_tokenizer)
         self.same_tokenizer = bool(same_tokenizer)
@@ -171,11 +181,13 @@ class LLMSource:
         if self._budget(ctx) <= 0:  # the builder can afford no node this step
             return []
         with self._lock:
+            self._drop_forgotten()
             try:
                 if self.same_tokenizer:
                     return self._propose_tokens(ctx, deadline)
                 return self._propose_text(ctx, deadline)
             finally:
+                self._bound_bytes(ctx.request_id)
                 self.stats.calls += 1
                 self.stats.seconds += time.perf_counter() - t0
 
@@ -186,6 +198,39 @@ class LLMSource:
     def release(self, request_id: str) -> None:
         with self._lock:
             self._entries.pop(request_id, None)
+
+    def forget(self, request_id: str) -> None:
+        """The request ended (the decoder calls this from its batched step, so it never waits
+        for a draft in progress): the cache is dropped now if the source is idle, else at the
+        start of its next call."""
+        with self._forgotten_lock:
+            self._forgotten.add(request_id)
+        if self._lock.acquire(blocking=False):
+            try:
+                self._drop_forgotten()
+            finally:
+                self._lock.release()
+
+    def _drop_forgotten(self) -> None:
+        with self._forgotten_lock:
+            gone, self._forgotten = self._forgotten, set()
+        for request_id in gone:
+            self._entries.pop(request_id, None)
+
+    def cache_bytes(self) -> int:
+        """Bytes of the kept caches' tensors."""
+        return sum(_kv_bytes(e.state) for e in list(self._entries.values()))
+
+    def _bound_bytes(self, current: str) -> None:
+        """Drop least recently used caches (never ``current``'s) while over ``max_bytes``."""
+        sizes = {rid: _kv_bytes(e.state) for rid, e in self._entries.items()}
+        total = sum(sizes.values())
+        for rid in list(self._entries):
+            if total <= self.max_bytes:
+                break
+            if rid != current:
+                del self._entries[rid]
+                total -= sizes[rid]
 
     @property
     def cached_requests(self) -> list[str]:
@@ -482,6 +527,17 @@ class LLMSource:
         out = draft.model(input_ids=x, position_ids=pos, cache=state.cache, use_cache=True, logits_to_keep=1)
         state.length += x.shape[1]
         return out.logits[0, -1]
+
+
+def _kv_bytes(state: KVState) -> int:
+    """Bytes of the storage behind a cache's tensors (a cropped view still holds all of it)."""
+    seen: dict[int, int] = {}
+    for layer in getattr(state.cache, "layers", ()):
+        for t in (getattr(layer, "keys", None), getattr(layer, "values", None)):
+            if isinstance(t, torch.Tensor):
+                storage = t.untyped_storage()
+                seen[storage.data_ptr()] = storage.nbytes()
+    return sum(seen.values())
 
 
 def _same_vocab(a, b) -> bool:

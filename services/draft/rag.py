@@ -22,6 +22,16 @@ Dense retrieval found nothing more, costs ~85x more per query and needs minutes 
 embedding at startup; and a passage only helps drafting when it shares literal tokens with
 the answer, which is exactly what a lexical ranker scores.
 
+Per-request state is bounded. The request's index (its retrieved passages and documents) is
+built once by ``prepare``, when the request is submitted and outside every batched step (a
+65k-token document set takes ~2.6 s of one core and ~33 MB), kept on the request's
+draft context and freed by ``release`` when the request ends. All live indexes share one
+byte budget (``budget_bytes``, config ``sources.rag_budget_bytes``): a request whose
+documents would take the total over it is not refused, it drafts from its retrieved
+passages only (``degraded`` counts them). A context that arrives without prepared state (a
+rag hosted outside the verifier sees one context per step over the wire) falls back to a
+cache of at most ``max_requests`` indexes under the same budget, oldest evicted first.
+
 A retrieved passage is indexed together with ``max_tokens`` tokens after it, so a match at
 its end still has a continuation; passages that overlap or touch are merged first so a
 shared stretch is not counted twice.
@@ -43,6 +53,20 @@ from draftmesh.draft.base import DraftContext, Proposal
 from draftmesh.draft.suffix import SuffixIndex
 
 CORPUS_SUFFIXES = (".txt", ".md")
+
+INDEX_BYTES_PER_TOKEN = 800
+"""What ``SuffixIndex.nbytes`` comes to per indexed token with n-grams 2..8 (an upper estimate),
+used to decide before building whether documents fit the budget; measured 526 on Python
+source (``tests/security/test_bounds_documents.py``), so this errs towards degrading early."""
+
+
+class Prepared:
+    """One request's index and the bytes it is charged against the budget."""
+
+    __slots__ = ("index", "nbytes", "degraded", "released")
+
+    def __init__(self, index: SuffixIndex, nbytes: int, degraded: bool) -> None:
+        self.index, self.nbytes, self.degraded, self.released = index, nbytes, degraded, False
 
 
 class Tokenizer(Protocol):
@@ -84,7 +108,8 @@ class RagSource:
         max_tokens: int = 16,
         min_ngram: int = 2,
         max_ngram: int = 8,
-        max_requests: int = 256,
+        max_requests: int = 8,
+        budget_bytes: int = 512 << 20,
     ) -> None:
         if not 0 <= overlap < chunk_tokens:
             raise ValueError(f"need 0 <= overlap < chunk_tokens, got {overlap}, {chunk_tokens}")
@@ -92,6 +117,14 @@ class RagSource:
         self.top_k, self.query_tokens = top_k, query_tokens
         self.max_proposals, self.max_tokens = max_proposals, max_tokens
         self.min_ngram, self.max_ngram, self.max_requests = min_ngram, max_ngram, max_requests
+        if budget_bytes < 0:
+            raise ValueError(f"rag budget_bytes must be >= 0, got {budget_bytes}")
+        self.budget_bytes = budget_bytes
+        self.live_bytes = 0
+        """Bytes of every live index: prepared requests' and the fallback cache's."""
+        self.live_prepared = 0
+        self.degraded = 0
+        """Requests whose documents did not fit the budget (they drafted from passages only)."""
         self._docs: list[list[int]] = []
         self._passages: list[tuple[int, int, int]] = []  # (doc, start, stop) token spans
         for path in corpus_files(paths):
@@ -108,7 +141,7 @@ class RagSource:
             texts = [tokenizer.decode(self._docs[d][a:b]) for d, a, b in self._passages]
             self._bm25 = bm25s.BM25()
             self._bm25.index(self._words(texts), show_progress=False)
-        self._requests: OrderedDict[object, SuffixIndex] = OrderedDict()
+        self._requests: OrderedDict[object, tuple[SuffixIndex, int]] = OrderedDict()
         self._lock = threading.Lock()
 
     def __len__(self) -> int:
@@ -139,8 +172,43 @@ class RagSource:
         doc, start, stop = self._passages[passage]
         return self._docs[doc][start:stop]
 
+    # ------------------------------------------------------------------ per-request state
+    def prepare(self, ctx: DraftContext) -> Prepared:
+        """Build the request's index (once, before its first step) and charge it to the budget;
+        documents that would not fit are left out (the request degrades, it never fails)."""
+        docs = [self._encode(text) for text in ctx.documents]
+        want = INDEX_BYTES_PER_TOKEN * sum(len(d) for d in docs)
+        with self._lock:
+            self._evict_cache(self.budget_bytes - want)
+            degraded = bool(docs) and self.live_bytes + want > self.budget_bytes
+            reserved = 0 if degraded else want  # held while building, so concurrent prepares see it
+            self.live_bytes += reserved
+            self.degraded += degraded
+        index = self._build(ctx, [] if degraded else docs)
+        nbytes = index.nbytes()
+        with self._lock:
+            self.live_bytes += nbytes - reserved
+            self.live_prepared += 1
+        return Prepared(index, nbytes, degraded)
+
+    def release(self, state: Prepared) -> None:
+        """The request ended: its index is freed and no longer counts."""
+        with self._lock:
+            if state.released:
+                return
+            state.released = True
+            self.live_bytes -= state.nbytes
+            self.live_prepared -= 1
+        state.index = None  # type: ignore[assignment]
+
+    def stats(self) -> dict[str, int]:
+        with self._lock:
+            return {"index_bytes": self.live_bytes, "prepared": self.live_prepared,
+                    "cached": len(self._requests), "degraded": self.degraded, "budget_bytes": self.budget_bytes}
+
     def propose(self, ctx: DraftContext) -> list[Proposal]:
-        index = self._index(ctx)
+        prepared = ctx.prepared.get(self.name)
+        index = prepared.index if isinstance(prepared, Prepared) and prepared.index is not None else self._index(ctx)
         max_len = min(self.max_tokens, max(1, ctx.size_hint))
         found = index.lookup(ctx.token_ids, max_len, max_branches=self.max_proposals)
         total = sum(b.count for b in found.branches)
@@ -151,20 +219,40 @@ class RagSource:
         ]
 
     def _index(self, ctx: DraftContext) -> SuffixIndex:
+        """A context without prepared state: the fallback cache (by request id), bounded by
+        count and by the byte budget."""
         key = ctx.request_id or hash((tuple(ctx.token_ids[: ctx.prompt_len]), tuple(ctx.documents)))
         with self._lock:
-            index = self._requests.get(key)
-            if index is not None:
+            hit = self._requests.get(key)
+            if hit is not None:
                 self._requests.move_to_end(key)
-                return index
-        index = self._build(ctx)
+                return hit[0]
+        docs = [self._encode(text) for text in ctx.documents]
+        want = INDEX_BYTES_PER_TOKEN * sum(len(d) for d in docs)
         with self._lock:
-            self._requests[key] = index
-            while len(self._requests) > self.max_requests:
-                self._requests.popitem(last=False)
+            self._evict_cache(self.budget_bytes - want)
+            if docs and self.live_bytes + want > self.budget_bytes:
+                self.degraded += 1
+                docs = []
+            reserved = want if docs else 0
+            self.live_bytes += reserved
+        index = self._build(ctx, docs)
+        nbytes = index.nbytes()
+        with self._lock:
+            self._requests[key] = (index, nbytes)
+            self.live_bytes += nbytes - reserved
+            self._evict_cache(self.budget_bytes, self.max_requests)
         return index
 
-    def _build(self, ctx: DraftContext) -> SuffixIndex:
+    def _evict_cache(self, room: int, max_count: int | None = None) -> None:
+        """Drop the oldest cached indexes until live bytes are within ``room`` (and the cache
+        within ``max_count``); prepared indexes are never evicted (their requests are running).
+        Call with the lock held."""
+        while self._requests and (self.live_bytes > room or (max_count is not None and len(self._requests) > max_count)):
+            _, (_, nbytes) = self._requests.popitem(last=False)
+            self.live_bytes -= nbytes
+
+    def _build(self, ctx: DraftContext, docs: Sequence[Sequence[int]]) -> SuffixIndex:
         """Index the retrieved passages (worst first: recent occurrences win ties) and documents."""
         prompt = ctx.token_ids[: ctx.prompt_len]
         query = self.tokenizer.decode(prompt[-self.query_tokens :], skip_special_tokens=True)
@@ -180,6 +268,6 @@ class RagSource:
         index = SuffixIndex(min_ngram=self.min_ngram, max_ngram=self.max_ngram)
         for doc, start, stop, _ in sorted(spans, key=lambda s: -s[3]):
             index.extend(self._docs[doc][start:stop], new_segment=True)
-        for text in ctx.documents:
-            index.extend(self._encode(text), new_segment=True)
+        for ids in docs:
+            index.extend(ids, new_segment=True)
         return index

@@ -24,6 +24,8 @@ class SourceEnv:
     vocab_size: int | None = None
     """The target's output vocabulary (can exceed the tokenizer's: padded embeddings)."""
     redis_url: str | None = None
+    answer_store_max_bytes: int = 0
+    """Byte bound of the Redis answer store (``serve.answer_store_max_bytes``; 0: none)."""
 
 
 SourceFactory = Callable[..., DraftSource]
@@ -46,7 +48,7 @@ def _history(env: SourceEnv, **options: Any) -> DraftSource:
     if env.redis_url:
         from draftmesh.draft.redis_store import RedisAnswerStore  # lazy: a source's module loads when it is used
 
-        store = RedisAnswerStore.from_url(env.redis_url, hasher=hasher)
+        store = RedisAnswerStore.from_url(env.redis_url, hasher=hasher, max_bytes=env.answer_store_max_bytes)
     else:
         store = InMemoryAnswerStore(hasher=hasher)
     options.setdefault("tokenizer", env.tokenizer)
@@ -113,12 +115,13 @@ def create(name: str, env: SourceEnv | None = None, **options: Any) -> DraftSour
 
 
 def build_source(name: str, model: str, *, options: Mapping[str, Any] | None = None, factory: str | None = None,
-                 redis_url: str | None = None) -> DraftSource:
+                 redis_url: str | None = None, answer_store_max_bytes: int = 0) -> DraftSource:
     """A source outside any verifier (a Serve draft deployment, `draftmesh draft-serve`),
     with the tokenizer of the target ``model``: the built-in ``name``, or ``factory``
     ("package.module:callable") called as factory(env, **options)."""
     tokenizer = load_tokenizer(model)
-    env = SourceEnv(tokenizer=tokenizer, vocab_size=len(tokenizer), redis_url=redis_url)
+    env = SourceEnv(tokenizer=tokenizer, vocab_size=len(tokenizer), redis_url=redis_url,
+                    answer_store_max_bytes=answer_store_max_bytes)
     options = dict(options or {})
     if factory:
         module, _, attr = str(factory).partition(":")

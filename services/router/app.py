@@ -30,7 +30,7 @@ def build_app(config: Mapping[str, Any] | DraftmeshConfig):
             name=f"draft-{name}",
             num_replicas=resources.num_replicas,
             ray_actor_options={"num_cpus": float(resources.num_cpus), "num_gpus": float(resources.num_gpus)},
-        ).bind(name, cfg.engine.model, spec, cfg.serve.redis_url)
+        ).bind(name, cfg.engine.model, spec, cfg.serve.redis_url, cfg.serve.answer_store_max_bytes)
     serve = cfg.serve
     verifier = VerifierPool.options(
         num_replicas=serve.verifier_replicas,

@@ -95,7 +95,7 @@ def start_mesh(cfg: DraftmeshConfig, *, ray_init: dict[str, Any] | None = None) 
         os.environ.setdefault("HF_HUB_OFFLINE", "1")
         redis_url = cfg.serve.redis_url
         if not redis_url:
-            redis = running.redis = EmbeddedRedis().start()
+            redis = running.redis = EmbeddedRedis(maxmemory_bytes=cfg.serve.redis_maxmemory_bytes).start()
             running._cleanup.append(redis.stop)
             redis_url = redis.url
             log.info("embedded redis-server at %s", redis_url)

@@ -186,6 +186,7 @@ def _documents(req, limits: LimitsConfig) -> tuple[str, ...]:
     if len(req.documents) > limits.max_documents:
         raise InvalidRequest("documents", f"at most {limits.max_documents} documents, got {len(req.documents)}")
     out = []
+    total = 0
     for i, doc in enumerate(req.documents):
         _ident(f"documents[{i}].id", doc.id, limits)
         field = f"documents[{i}].text"
@@ -194,6 +195,10 @@ def _documents(req, limits: LimitsConfig) -> tuple[str, ...]:
         size = _utf8_len(field, doc.text)
         if size > limits.max_document_bytes:
             raise InvalidRequest(field, f"{size} UTF-8 bytes exceeds the limit of {limits.max_document_bytes}")
+        total += size
+        if total > limits.max_document_total_bytes:
+            raise InvalidRequest("documents", f"{total} UTF-8 bytes in documents[0..{i}] exceeds the limit of "
+                                 f"{limits.max_document_total_bytes} for all documents together")
         if "\x00" in doc.text:
             raise InvalidRequest(field, f"not valid text (NUL character at offset {doc.text.index(chr(0))})")
         out.append(doc.text)

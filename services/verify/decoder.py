@@ -30,11 +30,13 @@ from draftmesh.draft.base import (
     DraftContext,
     DraftSource,
     LearningSource,
+    PreparingSource,
     Proposal,
+    RequestScopedSource,
     bounded,
     sliced,
 )
-from draftmesh.io_struct import GenerationRequest, GenerationResult, StepEvent, StepRecord
+from draftmesh.io_struct import GenerationRequest, GenerationResult, InvalidField, StepEvent, StepRecord
 from draftmesh.tree import TokenTree
 from draftmesh.verify.policy import AcceptancePolicy, make_policy
 from draftmesh.verify.request_run import RequestRun, StepPlan
@@ -64,8 +66,12 @@ class SpeculativeDecoder:
         trace_steps: int = 256,
         batch_limits: BatchLimits | None = None,
         batch_observer: Any = None,
+        max_document_tokens: int | None = None,
     ) -> None:
         self.target = target
+        self.max_document_tokens = max_document_tokens
+        """Target tokens of all of a request's documents together (``limits.max_document_tokens``)."""
+        self._documents_ok: Sequence[str] | None = None
         self.sources = list(sources)
         names = [s.name for s in self.sources]
         if len(set(names)) != len(names):
@@ -109,6 +115,7 @@ class SpeculativeDecoder:
             raise ValueError(f"prompt token ids outside the vocabulary: {bad[:5]}")
         if any(not isinstance(s, str) or not s for s in req.stop):
             raise ValueError("stop strings must be non-empty strings")
+        self._check_documents(req.documents)
         spec = req.speculation
         policy = make_policy(spec.policy, spec.policy_params, tokenizer=self.target.tokenizer)
         names = [src.name for src in self.sources]
@@ -118,6 +125,22 @@ class SpeculativeDecoder:
                     f"unknown draft source {name!r}; this decoder has: {', '.join(names) or 'none'}"
                 )
         return policy
+
+    def _check_documents(self, documents: Sequence[str]) -> None:
+        """Documents are indexed token by token (rag: ~0.8 KB of index per token), so their
+        size is capped in tokens. Encoding is skipped when the UTF-8 size alone shows the cap
+        cannot be reached (a byte-level tokenizer makes at most one token per byte, plus one
+        for a leading marker)."""
+        cap = self.max_document_tokens
+        if cap is None or not documents or documents is self._documents_ok:
+            return  # the last check passed these very documents (the replica validates, then streams)
+        if sum(len(d.encode("utf-8", "surrogatepass")) + 1 for d in documents) <= cap:
+            return
+        encode = self.target.tokenizer.encode  # ~1.4 s a MiB of text on one core
+        n = sum(len(encode(d, add_special_tokens=False)) for d in documents)
+        if n > cap:
+            raise InvalidField("documents", f"{n} tokens in all exceeds the limit of {cap} (limits.max_document_tokens)")
+        self._documents_ok = documents
 
     # ------------------------------------------------------------------ the loop
     def generate(self, req: GenerationRequest) -> GenerationResult:
@@ -180,7 +203,57 @@ class SpeculativeDecoder:
             policy = self.validate(req)
         if not req.request_id:
             req = dataclasses.replace(req, request_id=uuid.uuid4().hex)
-        return self.scheduler.submit(RequestRun(req, policy, self.target.tokenizer, self.target.eos_token_ids, span))
+        run = RequestRun(req, policy, self.target.tokenizer, self.target.eos_token_ids, span)
+        run.prepared = self._prepare(req)
+        try:
+            return self.scheduler.submit(run)
+        except BaseException:
+            self.end_request(run)
+            raise
+
+    def _prepare(self, req: GenerationRequest) -> dict[str, Any]:
+        """Each active ``PreparingSource``'s per-request state, built here on the caller's
+        thread before the request's first step (never inside a batched step). A source that
+        fails to prepare only drafts less for this request."""
+        spec = req.speculation
+        if not spec.enabled or spec.max_nodes == 0:
+            return {}
+        preparing = [s for s in self.sources if isinstance(s, PreparingSource)
+                     and (spec.sources is None or s.name in spec.sources)]
+        if not preparing:
+            return {}
+        ctx = self._context(req, list(req.prompt_ids), [], size_hint=0)
+        out: dict[str, Any] = {}
+        for source in preparing:
+            try:
+                state = source.prepare(ctx)
+            except Exception:
+                log.exception("draft source %s failed to prepare request %s; it drafts without", source.name, req.request_id)
+                continue
+            if state is not None:
+                out[source.name] = state
+        return out
+
+    def end_request(self, run: RequestRun) -> None:
+        """Free what the request held outside its KV row: the builder's per-request state, the
+        sources' late calls, per-request state (``RequestScopedSource``) and prepared state
+        (rag's index). Called once per request by the
+        scheduler when it finishes, fails or is cancelled (idempotent)."""
+        rid = run.req.request_id
+        self.builder.finish(rid)
+        self.caller.forget(rid)
+        prepared, run.prepared = run.prepared, {}
+        for source in self.sources:
+            if isinstance(source, RequestScopedSource):
+                try:
+                    source.forget(rid)
+                except Exception:
+                    log.exception("draft source %s failed to forget request %s", source.name, rid)
+            if source.name in prepared:
+                try:
+                    source.release(prepared[source.name])
+                except Exception:
+                    log.exception("draft source %s failed to release request %s", source.name, rid)
 
     @property
     def scheduler(self) -> BatchScheduler:
@@ -208,6 +281,29 @@ class SpeculativeDecoder:
             "kv_budget_bytes": sched.limits.kv_budget_bytes,
         }
 
+    def sizes(self) -> dict[str, int]:
+        """Bytes held by the replica's bounded caches, for the size gauges: the pooled session KV,
+        the live rag indexes, the answer store and its Redis's ``used_memory``. The last two are
+        Redis round trips: call this outside the steps (the replica does, after a request)."""
+        out: dict[str, int] = {}
+        sched = self._scheduler
+        if self.kv_pool is not None and sched is not None:
+            out["session_kv_bytes"] = self.kv_pool.stats()["cached_tokens"] * sched.kv.bytes_per_token
+        for source in self.sources:
+            stats = source.stats() if isinstance(source, PreparingSource) and hasattr(source, "stats") else None
+            if isinstance(stats, dict) and "index_bytes" in stats:
+                out["rag_index_bytes"] = out.get("rag_index_bytes", 0) + int(stats["index_bytes"])
+        for source in self.sources:
+            store = getattr(source, "store", None)
+            if callable(getattr(store, "nbytes", None)):
+                try:
+                    out["answer_store_bytes"] = store.nbytes()
+                    out["redis_used_bytes"] = int(store.client.info("memory")["used_memory"])
+                except Exception:  # a size gauge never fails a request
+                    log.warning("answer store sizes unavailable", exc_info=True)
+                break
+        return out
+
     # ------------------------------------------------------------------ a request's part of a step
     def draft_step(self, run: RequestRun, cache_len: int) -> ScoredTree | None:
         """Ask the request's sources; return its candidate nodes for the batch budget, or None
@@ -222,7 +318,8 @@ class SpeculativeDecoder:
             return None
         t0 = time.perf_counter()
         with trace.use_span(plan.span), self._tracer.start_as_current_span("draft"):
-            plan.ctx = ctx = self._context(req, run.prompt, run.generated, size_hint=self.builder.max_nodes)
+            plan.ctx = ctx = self._context(req, run.prompt, run.generated, size_hint=self.builder.max_nodes,
+                                           prepared=run.prepared)
             proposals, plan.proposed, failed = self._proposals(ctx, active, spec.source_caps)
             # The bonus token always comes on top, and positions must stay inside the context.
             max_depth = min(remaining - 1, self.target.max_context - cache_len - 2)
@@ -274,7 +371,8 @@ class SpeculativeDecoder:
             run.prefill_span.end()
             run.prefill_span = trace.INVALID_SPAN
 
-    def _context(self, req: GenerationRequest, prompt: list[int], generated: list[int], size_hint: int) -> DraftContext:
+    def _context(self, req: GenerationRequest, prompt: list[int], generated: list[int], size_hint: int,
+                 prepared: Mapping[str, Any] | None = None) -> DraftContext:
         if req.speculation.max_nodes is not None:
             size_hint = min(size_hint, req.speculation.max_nodes)
         ids = tuple(prompt + generated)
@@ -288,6 +386,7 @@ class SpeculativeDecoder:
             request_id=req.request_id,
             size_hint=size_hint,
             options=self._options(req),
+            prepared=prepared or {},
         )
 
     @staticmethod

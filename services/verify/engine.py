@@ -33,6 +33,9 @@ def build_decoder(
     trace_steps: int = 256,
     batch_limits: BatchLimits | None = None,
     batch_observer=None,
+    max_document_tokens: int | None = None,
+    rag_budget_bytes: int | None = None,
+    answer_store_max_bytes: int = 0,
 ) -> SpeculativeDecoder:
     """``sources=None`` means the default set; an empty list means plain decoding.
 
@@ -47,7 +50,11 @@ def build_decoder(
     unknown = sorted(set(options) - set(registry.available()))
     if unknown:
         raise ValueError(f"options given for unknown draft sources: {', '.join(unknown)}")
-    env = registry.SourceEnv(tokenizer=target.tokenizer, vocab_size=target.vocab_size, redis_url=redis_url)
+    env = registry.SourceEnv(tokenizer=target.tokenizer, vocab_size=target.vocab_size, redis_url=redis_url,
+                             answer_store_max_bytes=answer_store_max_bytes)
+    options = dict(options)
+    if rag_budget_bytes is not None and "rag" in names:
+        options["rag"] = {"budget_bytes": rag_budget_bytes, **options.get("rag", {})}
     built = [registry.create(name, env, **dict(options.get(name, {}))) for name in names] + list(extra_sources)
     if built and not target.cost_curve:
         target.measure_cost_curve()
@@ -59,7 +66,8 @@ def build_decoder(
     builder = CostAwareTreeBuilder(target.cost_curve or {1: 1.0}, config, aligner=default_aligner(target.tokenizer))
     return SpeculativeDecoder(target, built, builder, flag_provider=flag_provider,
                               source_deadline_s=source_deadline_s, kv_pool=kv_pool, trace_steps=trace_steps,
-                              batch_limits=batch_limits, batch_observer=batch_observer)
+                              batch_limits=batch_limits, batch_observer=batch_observer,
+                              max_document_tokens=max_document_tokens)
 
 
 def load_target(cfg: EngineConfig) -> TorchTarget:
@@ -91,6 +99,9 @@ def decoder_from_config(
         trace_steps=cfg.engine.trace_steps,
         batch_limits=batch_limits(cfg.engine),
         batch_observer=batch_observer,
+        max_document_tokens=cfg.limits.max_document_tokens,
+        rag_budget_bytes=cfg.sources.rag_budget_bytes,
+        answer_store_max_bytes=cfg.serve.answer_store_max_bytes,
     )
 
 

@@ -48,6 +48,14 @@ class VerifierMetrics:
         self.queued = backend.gauge("draftmesh_verifier_queued_requests",
                                     "requests waiting for room in the batch (KV budget, rows)", ("replica",))
         self.kv_bytes = backend.gauge("draftmesh_verifier_kv_bytes", "bytes of the batch's KV slab", ("replica",))
+        self.size_gauges = {
+            "session_kv_bytes": backend.gauge("draftmesh_session_kv_bytes", "bytes of pooled session KV caches", ("replica",)),
+            "rag_index_bytes": backend.gauge("draftmesh_rag_index_bytes", "bytes of the live rag indexes", ("replica",)),
+            "answer_store_bytes": backend.gauge("draftmesh_answer_store_bytes",
+                                                "bytes of answers and session turns in the answer store", ("replica",)),
+            "redis_used_bytes": backend.gauge("draftmesh_redis_used_bytes", "used_memory of the answer store's Redis",
+                                              ("replica",)),
+        }
 
     def batch(self, *, rows: int, tokens: int, queued: int, kv_bytes: int, speculating: int) -> None:
         tags = self.tags
@@ -72,6 +80,12 @@ class VerifierMetrics:
             self.source_accepted.inc(accepted, {**tags, "source": source})
         for source in record.failed_sources:
             self.source_failures.inc(1, {**tags, "source": source})
+
+    def sizes(self, sizes: dict[str, int]) -> None:
+        """The bounded caches' sizes (``SpeculativeDecoder.sizes``)."""
+        for name, value in sizes.items():
+            if name in self.size_gauges:
+                self.size_gauges[name].set(value, self.tags)
 
     def set_active(self, active: int) -> None:
         self.active.set(active, self.tags)

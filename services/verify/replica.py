@@ -13,6 +13,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import threading
+import time
 from dataclasses import asdict, dataclass
 from typing import AsyncIterator
 
@@ -67,6 +68,7 @@ class VerifierReplica:
         self.metrics = metrics
         self._stats = ReplicaStats()
         self._stats_lock = threading.Lock()
+        self._sizes_at = float("-inf")
 
     # ------------------------------------------------------------------ requests
     def to_generation_request(self, req: ServeRequest) -> GenerationRequest:
@@ -108,6 +110,7 @@ class VerifierReplica:
                         break
                     if isinstance(event, GenerationResult):  # outside any step: the others go on
                         event = ServedResult(event, self.name, self._annotate(req, gen_req.request_id, event))
+                        self._report_sizes()
                     post(event)
             except Busy as exc:  # the replica's KV budget or queue: RESOURCE_EXHAUSTED, not the caller's fault
                 post(Rejected(str(exc), reason="busy"))
@@ -145,6 +148,17 @@ class VerifierReplica:
         finally:
             cancel.set()
             self._count(active=-1, **{outcome: 1})
+
+    def _report_sizes(self, every_s: float = 1.0) -> None:
+        """Set the cache size gauges, at most once a second (they cost Redis round trips)."""
+        now = time.monotonic()
+        if self.metrics is None or now - self._sizes_at < every_s:
+            return
+        self._sizes_at = now
+        try:
+            self.metrics.sizes(self.decoder.sizes())
+        except Exception:
+            log.warning("cache sizes not reported", exc_info=True)
 
     def _annotate(self, req: ServeRequest, request_id: str, result: GenerationResult) -> FactCheckReport | None:
         """The output's fact-check report; never fails the request."""

@@ -68,6 +68,8 @@ class RequestRun:
         self.verdict: Verdict | None = None
         """The last decode step's verdict (the builder learns from it)."""
         self.prefill_span: trace.Span | None = None
+        self.prepared: dict[str, Any] = {}
+        """Source name -> its per-request state (``PreparingSource.prepare``), released at the end."""
 
     # ------------------------------------------------------------------ phases
     @property

@@ -146,11 +146,14 @@ class BatchScheduler:
             return
         ticket.cancelled = True
         with self._lock:
-            if ticket in self._waiting:
+            waiting = ticket in self._waiting
+            if waiting:
                 self._waiting.remove(ticket)
                 ticket.done = True
                 self.stats.cancelled += 1
-                return
+        if waiting:
+            self.decoder.end_request(ticket.run)
+            return
         with self._step_lock:
             self._drop_cancelled()
 
@@ -316,7 +319,7 @@ class BatchScheduler:
             self._release(t)
             t.done = True
             self.stats.cancelled += 1
-            self.decoder.builder.finish(t.run.req.request_id)
+            self.decoder.end_request(t.run)
 
     def _finish(self, ticket: Ticket) -> None:
         run = ticket.run
@@ -326,7 +329,7 @@ class BatchScheduler:
             # pooled sessions and the slab share one budget
             pool.shrink_to(max(0, (self.limits.kv_budget_bytes - self.kv.allocated_bytes) // self.kv.bytes_per_token))
         self._release(ticket)
-        self.decoder.builder.finish(run.req.request_id)
+        self.decoder.end_request(run)
         ticket.events.append(run.final_result())
         ticket.done = True
         self.stats.finished += 1
@@ -335,7 +338,7 @@ class BatchScheduler:
         self._release(ticket)
         ticket.error = exc
         ticket.done = True
-        self.decoder.builder.finish(ticket.run.req.request_id)
+        self.decoder.end_request(ticket.run)
 
     def _release(self, ticket: Ticket) -> None:
         with self._lock:

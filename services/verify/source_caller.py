@@ -1,9 +1,13 @@
 """Ask a step's draft sources with a deadline: a slow or broken source is skipped, never awaited.
 
 Sources run on worker threads; the step waits at most ``deadline_s`` for all of them.
-A source that misses the deadline is counted as timed out; while its call is still
-running it is skipped as busy, so a hung source occupies one worker and never stalls a
-step. Its late answer is not lost: at the next step of the same request, the token drafts
+A source that misses the deadline is counted as timed out; while its call for a request is
+still running it is skipped as busy *for that request*: busy state is kept per (request,
+source), so one request's slow call (rag indexing a large document, a remote source stuck on
+one context) never makes the source busy for the other requests of a batch. A source has at
+most ``max_per_source`` calls running across requests (beyond: busy), so a source that hangs
+on every context holds at most that many of the ``max_workers`` threads and the other sources
+keep theirs. Its late answer is not lost: at the next step of the same request, the token drafts
 whose start matches what was committed meanwhile are used (advanced past those tokens),
 so a source slightly slower than a step still contributes, one step behind. Without a
 deadline the sources are called inline, which is cheapest for sources measured in
@@ -40,6 +44,8 @@ class _Call:
     token_ids: tuple[int, ...]
     late: bool = False
     """Missed its step's deadline: its answer may serve the request's next step."""
+    forgotten: bool = False
+    """Its request ended while it ran: kept only so it still counts against the source's cap."""
 
 
 @dataclass
@@ -51,14 +57,45 @@ class SourceAnswers:
     """Sources whose proposals this step come from their previous, late answer."""
 
 
+MAX_CALLS_PER_SOURCE = 4
+"""Calls of one source running at once, across the requests of a replica."""
+
+
 class SourceCaller:
-    def __init__(self, deadline_s: float | None = None, max_workers: int = 8) -> None:
+    def __init__(self, deadline_s: float | None = None, max_workers: int = 8,
+                 max_per_source: int = MAX_CALLS_PER_SOURCE) -> None:
         if deadline_s is not None and deadline_s <= 0:
             raise ValueError(f"source deadline must be > 0 seconds, got {deadline_s}")
+        if max_workers < 1 or max_per_source < 1:
+            raise ValueError(f"need max_workers >= 1 and max_per_source >= 1, got {max_workers}, {max_per_source}")
         self.deadline_s = deadline_s
+        self.max_per_source = max_per_source
         self._pool = cf.ThreadPoolExecutor(max_workers=max_workers, thread_name_prefix="draft-source") if deadline_s else None
-        self._running: dict[str, _Call] = {}
+        self._running: dict[tuple[str, str], _Call] = {}
+        """(request id, source name) -> the request's latest call of that source."""
         self._lock = threading.Lock()
+
+    def _in_flight(self, name: str) -> int:
+        return sum(1 for (_, n), c in self._running.items() if n == name and not c.future.done())
+
+    def forget(self, request_id: str) -> None:
+        """Drop an ended request's calls (a late answer can no longer serve it); one still running
+        is kept until it returns, so a source hanging on every context stays within its cap."""
+        with self._lock:
+            for key in [k for k in self._running if k[0] == request_id]:
+                if self._running[key].future.done():
+                    del self._running[key]
+                else:
+                    self._running[key].forgotten = True
+
+    def _prune(self) -> None:
+        for key in [k for k, c in self._running.items() if c.forgotten and c.future.done()]:
+            del self._running[key]
+
+    def running(self) -> int:
+        """Calls kept (running, or late answers waiting for their request's next step)."""
+        with self._lock:
+            return len(self._running)
 
     def call(self, sources: Sequence[DraftSource], ctx: DraftContext) -> SourceAnswers:
         answers = SourceAnswers()
@@ -74,17 +111,27 @@ class SourceCaller:
         late_answers: dict[str, list[Proposal]] = {}
         ids = tuple(ctx.token_ids)
         with self._lock:
+            self._prune()
             for source in sources:
-                previous = self._running.get(source.name)
+                key = (ctx.request_id, source.name)
+                previous = self._running.get(key)
                 if previous is not None and not previous.future.done():
+                    answers.failed[source.name] = "busy"
+                    continue
+                if self._in_flight(source.name) >= self.max_per_source:
                     answers.failed[source.name] = "busy"
                     continue
                 if previous is not None and previous.late:
                     late_answers[source.name] = self._advance(previous, ctx)
                 future = self._pool.submit(tracing.in_context(propose_traced), source, ctx)
-                self._running[source.name] = _Call(future, ctx.request_id, ids)
+                self._running[key] = _Call(future, ctx.request_id, ids)
                 futures[future] = source.name
         done, late = cf.wait(futures, timeout=self.deadline_s)
+        with self._lock:  # answered in time: nothing to keep for the next step
+            for future in done:
+                key = (ctx.request_id, futures[future])
+                if self._running.get(key) is not None and self._running[key].future is future:
+                    del self._running[key]
         for future in done:
             name = futures[future]
             try:
@@ -95,7 +142,7 @@ class SourceCaller:
         for future in late:
             name = futures[future]
             with self._lock:
-                call = self._running.get(name)
+                call = self._running.get((ctx.request_id, name))
                 if call is not None and call.future is future:
                     call.late = True
             if late_answers.get(name):

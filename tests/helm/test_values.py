@@ -26,7 +26,8 @@ CHART_OWNED = {
 } | {f"factcheck.{leaf.name}" for leaf in leaves(FactCheckConfig)}  # the workers' options (factcheck.options)
 # Config fields that do not apply on Kubernetes (documented in values.yaml and helm/README.md).
 NOT_APPLICABLE = {"serve.address", "serve.api_keys", "serve.tls_cert", "serve.tls_key", "factcheck.python",
-                  "serve.max_streams", "serve.drain_s"}  # the last two: `draftmesh serve`'s own gateway
+                  "serve.max_streams", "serve.drain_s",  # `draftmesh serve`'s own gateway
+                  "serve.redis_maxmemory_bytes"}  # the embedded redis-server's; the chart's Redis: redis.maxmemory
 
 
 def schema_at(*path: str) -> dict:

@@ -271,6 +271,12 @@ def _bad_requests():
                                                speculation=pb.Speculation(max_nodes=100000)), "speculation.max_nodes"),
         "unknown policy": (pb.GenerateRequest(prompt="hi", max_new_tokens=4,
                                               speculation=pb.Speculation(policy="yolo")), "speculation.policy"),
+        # all documents together: over limits.max_document_total_bytes at the router, and under it
+        # but over limits.max_document_tokens (~200k tokens) at the verifier
+        "documents over the byte total": (pb.GenerateRequest(prompt="hi", max_new_tokens=4, documents=[
+            pb.Document(text="d" * 250_000)] * 5), "documents: "),
+        "documents over the token cap": (pb.GenerateRequest(prompt="hi", max_new_tokens=4, documents=[
+            pb.Document(text="word " * 50_000)] * 4), "documents: "),
     }
     return [pytest.param(req, needle, id=name) for name, (req, needle) in cases.items()]
 
