@@ -66,6 +66,12 @@ def run(args: argparse.Namespace) -> int:
         items = load_workload(args.workload)
         methods = parse_methods(default_methods(target_kind, opt("methods")))
         check_target(target_kind, methods, addr=opt("addr"), tls_ca=opt("tls_ca"))
+        if (opt("api") or "grpc") != "grpc" and target_kind != "mesh":
+            raise ValueError(f"--api {opt('api')} compares the faces of a mesh: add --target mesh")
+        if opt("http_addr") and (opt("api") or "grpc") != "openai":
+            raise ValueError("--http-addr applies to --api openai")
+        if opt("api") == "openai" and opt("addr") and not opt("http_addr"):
+            raise ValueError("--api openai with --addr needs --http-addr (where that mesh serves its HTTP face)")
     except (WorkloadError, ValueError) as exc:
         return _error(str(exc))
     mesh_methods = [m for m in methods if m.family == "mesh"]
@@ -108,7 +114,11 @@ def run(args: argparse.Namespace) -> int:
         except (ValueError, FileNotFoundError, OSError) as exc:
             return _error(str(exc))
         if opt("concurrency"):
-            return _run_concurrency(args, cfg, target, prepared, threads)
+            if (opt("target") or "local") == "mesh" and not opt("addr") and injected is not None:
+                return _error("--target mesh without --addr starts a mesh for --model, which must be a model spec")
+            return _run_concurrency(args, cfg, target, prepared, threads, tls_ca)
+        if (opt("api") or "grpc") == "openai":
+            return _run_faces(args, cfg, prepared, methods, repeats, tls_ca, injected is not None)
         if mesh_methods and not opt("addr") and injected is not None:
             return _error("--target mesh without --addr starts a mesh for --model, which must be a model spec")
         mesh_info: dict[str, Any] | None = None
@@ -206,7 +216,7 @@ def _write_outputs(json_path, payload, plot_path, plot) -> None:
         print(f"wrote {plot_path}")
 
 
-def _run_concurrency(args, cfg, target, prepared, threads: int) -> int:
+def _run_concurrency(args, cfg, target, prepared, threads: int, tls_ca: bytes | None = None) -> int:
     from draftmesh.bench.concurrency import (  # lazy: only this mode needs it
         CONCURRENCY_METHODS,
         format_concurrency,
@@ -222,10 +232,45 @@ def _run_concurrency(args, cfg, target, prepared, threads: int) -> int:
     except ValueError:
         return _error(f"--concurrency: a comma-separated list of positive integers, got {opt('concurrency')!r}")
     methods = list(CONCURRENCY_METHODS)
-    print(f"draftmesh bench --concurrency {','.join(map(str, levels))}: {len(prepared)} items, methods {', '.join(methods)}")
-    report = run_concurrency(target, prepared, levels, methods, engine=cfg.engine, builder=cfg.builder,
-                             source_options=cfg.sources.options, repeats=opt("repeats") or 1,
-                             probe_tokens=opt("prefill_probe_tokens"))
+    loads: dict = {}
+    note = None
+    with contextlib.ExitStack() as cleanup:
+        if (opt("target") or "local") == "mesh":
+            from draftmesh.bench.mesh_load import MeshLoad, verifier_batch_stats  # lazy: only this mode
+            from draftmesh.bench.methods import MESH_METHODS
+
+            # The bench's own mesh runs as many requests at once as the highest level asks for.
+            top = max(levels)
+            cfg = cfg.replace(serve={"verifier_max_ongoing": max(cfg.serve.verifier_max_ongoing, top),
+                                     "max_in_flight": max(cfg.serve.max_in_flight, top)})
+            try:
+                mesh_runners, info, _ = open_mesh(cleanup, [m for m in parse_methods(",".join(MESH_METHODS))
+                                                            if m.family == "mesh"], cfg, addr=opt("addr"),
+                                                  api_key=opt("api_key"), tls_ca=tls_ca, max_nodes=opt("max_nodes"))
+            except MeshError as exc:
+                return _error(str(exc))
+            stats = verifier_batch_stats if info.get("started_by_bench") else None
+
+            def fresh(runner):
+                def make():
+                    runner.reset()  # a pass starts from a reset mesh, as each in-process pass from a fresh decoder
+                    return MeshLoad(runner, stats)
+                return make
+
+            loads = {r.name: fresh(r) for r in mesh_runners}
+            methods = [CONCURRENCY_METHODS[0], *loads]
+            note = (f"{CONCURRENCY_METHODS[0]} runs in-process (the reference: batch-1 plain decoding); "
+                    f"{', '.join(loads)} through the mesh's gRPC face at {info['address']}")
+        print(f"draftmesh bench --concurrency {','.join(map(str, levels))}: {len(prepared)} items, methods {', '.join(methods)}")
+        try:
+            report = run_concurrency(target, prepared, levels, methods, engine=cfg.engine, builder=cfg.builder,
+                                     source_options=cfg.sources.options, repeats=opt("repeats") or 1,
+                                     probe_tokens=opt("prefill_probe_tokens"), loads=loads)
+        except MeshError as exc:
+            return _error(str(exc))
+    if note:
+        report["note"] = note
+        report["target"] = "mesh"
     report["meta"] = {"date": datetime.now(timezone.utc).isoformat(timespec="seconds"),
                       "command": opt("command_line") or command_line("draftmesh bench"), "machine": machine_info(),
                       "model": cfg.engine.model, "threads": threads, "dtype": str(target.dtype).replace("torch.", ""),
@@ -234,6 +279,56 @@ def _run_concurrency(args, cfg, target, prepared, threads: int) -> int:
     _write_outputs(opt("json"), lambda: report, opt("plot"), lambda path: plot_concurrency(report, path))
     mismatched = sum(r["outputs"] - r["identical_to_plain_serial"] for r in report["rows"])
     return EXIT_MISMATCH if mismatched else EXIT_OK
+
+
+def _run_faces(args, cfg, prepared, methods, repeats: int, tls_ca, injected: bool) -> int:
+    """``--api openai``: the mesh methods through both faces of one mesh (``draftmesh.bench.faces``)."""
+    from draftmesh.bench.faces import faces_report, format_faces, plot_faces, run_faces  # lazy: only this mode
+    from draftmesh.bench.methods import MESH_DRAFTMESH
+    from draftmesh.bench.openai_runner import OpenAIRunner  # lazy: imports openai
+    from draftmesh.client import api_key_from_env
+
+    opt = lambda name, default=None: getattr(args, name, default)  # noqa: E731
+    if not opt("addr") and injected:
+        return _error("--target mesh without --addr starts a mesh for --model, which must be a model spec")
+    # Only the mesh methods run (default: mesh:draftmesh); the in-process ones are not part of this comparison.
+    mesh_methods = [m for m in methods if m.family == "mesh"] if opt("methods") else \
+        [m for m in parse_methods(MESH_DRAFTMESH) if m.family == "mesh"]
+    try:
+        with contextlib.ExitStack() as cleanup:
+            try:
+                grpc_runners, info, measure_memory = open_mesh(
+                    cleanup, mesh_methods, cfg, addr=opt("addr"), api_key=opt("api_key"), tls_ca=tls_ca,
+                    max_nodes=opt("max_nodes"), http=True)
+            except MeshError as exc:
+                return _error(str(exc))
+            http_addr = opt("http_addr") or info.get("http_address")
+            info["http_address"] = http_addr
+            key = api_key_from_env(opt("api_key")) if opt("addr") else None
+            runners = {}
+            for r in grpc_runners:
+                http = OpenAIRunner(r.name, f"http://{http_addr}/v1", model=cfg.engine.model, api_key=key,
+                                    speculate=r.speculate, session_suffix=r.session_suffix)
+                cleanup.callback(http.close)
+                runners[r.name] = {"grpc": r, "http": http}
+            try:
+                runs = run_faces(runners, prepared, repeats, reset=grpc_runners[0].reset)
+            except MeshError as exc:
+                return _error(str(exc))
+            if info.get("started_by_bench"):
+                info["memory"] = measure_memory()
+    except KeyboardInterrupt:
+        print("draftmesh bench: interrupted" + ("" if opt("addr") else " (the mesh it started is stopped)"),
+              file=sys.stderr)
+        return EXIT_INTERRUPTED
+    report = faces_report(runs, prepared, repeats, info)
+    report["meta"] = {"date": datetime.now(timezone.utc).isoformat(timespec="seconds"),
+                      "command": opt("command_line") or command_line("draftmesh bench"), "machine": machine_info(),
+                      "model": cfg.engine.model, "threads": cfg.engine.threads,
+                      "workload": {"path": str(args.workload), "items": len(prepared)}}
+    print(format_faces(report))
+    _write_outputs(opt("json"), lambda: report, opt("plot"), lambda path: plot_faces(report, path))
+    return EXIT_MISMATCH if any(s["mismatches"] for s in report["summary"].values()) else EXIT_OK
 
 
 def cold_starts(runners, methods, model_spec: str, dtype: str, threads: int, prepared) -> dict[str, Any]:
