@@ -47,11 +47,18 @@ def mesh_users_last(items: list) -> list:
     The mesh starts at its first user, so it is neither started nor held while unrelated tests run
     (CPU-bound ones beside a running mesh, or the CLI and bench tests that start a Ray of their own)."""
     def rank(item) -> int:
-        if "mesh" not in getattr(item, "fixturenames", ()):
+        if not uses_served_mesh(item):
             return 0
         return 2 if item.get_closest_marker("breaks_mesh") else 1
 
     return sorted(items, key=rank)
+
+
+def uses_served_mesh(item) -> bool:
+    """Whether a test's ``mesh`` is this module's (a module may define a ``mesh`` fixture of its own)."""
+    info = getattr(item, "_fixtureinfo", None)
+    defs = info.name2fixturedefs.get("mesh", ()) if info is not None else ()
+    return bool(defs) and getattr(defs[-1].func, "__module__", None) == __name__
 
 
 @pytest.fixture(scope="session")

@@ -3,14 +3,28 @@ that break the mesh after them, the rest in collection order."""
 
 from __future__ import annotations
 
+from types import SimpleNamespace
+
 from served_mesh import mesh_users_last
 
 
-class Item:
-    """What the hook reads of a pytest item: its fixture closure and its markers."""
+def served():
+    """The served mesh's fixture function (what pytest's FixtureDef.func is)."""
 
-    def __init__(self, name: str, fixtures: tuple[str, ...] = (), breaks: bool = False) -> None:
-        self.name, self.fixturenames, self._breaks = name, list(fixtures), breaks
+
+served.__module__ = "served_mesh"
+
+
+def own_mesh():
+    """Another module's fixture that is also called ``mesh`` (tests/deploy/test_dockerfiles.py has one)."""
+
+
+class Item:
+    """What the hook reads of a pytest item: the definitions of its fixtures and its markers."""
+
+    def __init__(self, name: str, fixtures: tuple[str, ...] = (), breaks: bool = False, mesh=served) -> None:
+        defs = {f: [SimpleNamespace(func=mesh if f == "mesh" else own_mesh)] for f in fixtures}
+        self.name, self._fixtureinfo, self._breaks = name, SimpleNamespace(name2fixturedefs=defs), breaks
 
     def get_closest_marker(self, name: str):
         return object() if name == "breaks_mesh" and self._breaks else None
@@ -25,7 +39,9 @@ def test_mesh_users_run_last_and_the_ones_that_break_it_after_them():
         Item("grpc_complete", ("stub", "channel", "mesh")),
         Item("unit_b", ("tiny",)),
         Item("marked_but_no_mesh", breaks=True),
+        Item("dockerfile_mesh", ("mesh",), mesh=own_mesh),  # its own fixture named mesh: not a user
     ]
     assert [i.name for i in mesh_users_last(items)] == [
-        "unit_a", "unit_b", "marked_but_no_mesh", "http_chat", "grpc_complete", "lost_replica", "redis_stopped"]
+        "unit_a", "unit_b", "marked_but_no_mesh", "dockerfile_mesh", "http_chat", "grpc_complete", "lost_replica",
+        "redis_stopped"]
 
