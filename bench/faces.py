@@ -157,6 +157,7 @@ def plot_faces(report: dict[str, Any], path: str) -> None:
     methods = list(report["summary"])
     fig, ax = plt.subplots(figsize=(max(4, 2.5 * len(methods)), 4))
     width = 0.38
+    top = max([report["summary"][m]["faces"][f]["tokens_per_s"] or 0 for m in methods for f in FACES] or [1])
     for i, face in enumerate(FACES):
         values = [report["summary"][m]["faces"][face]["tokens_per_s"] or 0 for m in methods]
         bars = ax.bar([x + (i - 0.5) * width for x in range(len(methods))], values, width,
@@ -170,7 +171,8 @@ def plot_faces(report: dict[str, Any], path: str) -> None:
     ax.set_xticks(range(len(methods)), methods)
     ax.set_ylabel("completion tokens/s")
     ax.set_title("the mesh's two faces, same workload")
-    ax.legend()
+    ax.set_ylim(0, 1.35 * top)  # room for the legend above the bars
+    ax.legend(loc="upper center", ncol=2, fontsize=8)
     ax.grid(axis="y", alpha=0.3)
     fig.tight_layout()
     fig.savefig(path, dpi=110)

@@ -308,7 +308,7 @@ def test_a_stream_past_its_timeout_ends_with_a_504_event(base_url):
     assert events[-1] == "data: [DONE]"
     last = json.loads(events[-2][6:])
     assert last["error"]["code"] == "deadline_exceeded" and last["error"]["type"] == "timeout_error"
-    assert any('"content":"' in e for e in events[:-2])  # it streamed until the deadline
+    assert any('"content":"' in e and '"content":""' not in e for e in events[:-2])  # it streamed until the deadline
     assert wait_idle(timeout_s=30)["active"] == 0
 
 
@@ -372,10 +372,13 @@ def test_a_request_on_a_lost_verifier_replica_is_503_and_the_next_is_served(base
     replica = ray.get_actor(names[0]["name"], namespace=names[0]["namespace"])
     answer = {}
     body = {"model": MODEL, "messages": user(ESSAY.format(", for a lost replica")), "max_tokens": 2000}
+    steps = verifier_stats()["steps"]
     caller = threading.Thread(target=lambda: answer.setdefault("r", post(base_url, "/chat/completions", json.dumps(body))))
     caller.start()
+    # Decoding for a few steps on the replica we are about to lose (a request lost before its first step
+    # is retried on another replica, which is not the case under test).
     deadline = time.monotonic() + 60
-    while verifier_stats()["active"] == 0:  # decoding on the replica we are about to lose
+    while (stats := verifier_stats())["active"] == 0 or stats["steps"] < steps + 3:
         assert time.monotonic() < deadline, "the request never reached the verifier"
         time.sleep(0.05)
     ray.kill(replica, no_restart=True)
