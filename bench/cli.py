@@ -17,6 +17,7 @@ from draftmesh.bench.methods import (
 from draftmesh.config import add_config_arguments
 
 TARGETS = ("local", "mesh")
+APIS = ("grpc", "openai")
 
 EXIT_OK, EXIT_MISMATCH, EXIT_USAGE = 0, 1, 2
 EXIT_INTERRUPTED = 130
@@ -46,6 +47,16 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     )
     parser.add_argument(
         "--api-key", default=None, help="with --addr: API key sent as a bearer token (default: $DRAFTMESH_API_KEY)"
+    )
+    parser.add_argument(
+        "--api", choices=APIS, default="grpc",
+        help="with --target mesh: grpc: the mesh methods through the gRPC face; openai: the same workload through "
+             "the gRPC face and the HTTP face (the real openai client), passes alternating, with the HTTP/gRPC "
+             "tokens/s ratio and the outputs compared (default: %(default)s)",
+    )
+    parser.add_argument(
+        "--http-addr", metavar="HOST:PORT", default=None,
+        help="with --addr and --api openai: where that mesh serves its HTTP face (the bench's own mesh: a free port)",
     )
     parser.add_argument("--tls-ca", metavar="FILE", default=None, help="with --addr: PEM CA/certificate to trust; enables TLS")
     parser.add_argument("--assistant", metavar="SPEC", default=None, help="assistant model for hf-assist")

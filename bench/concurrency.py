@@ -27,9 +27,10 @@ import statistics
 import threading
 import time
 from dataclasses import dataclass, field
-from typing import Any, Callable, Mapping, Sequence
+from typing import Any, Callable, Iterator, Mapping, Sequence
 
 from draftmesh.bench.items import PreparedItem
+from draftmesh.bench.report import fmt
 from draftmesh.config import BuilderConfig, EngineConfig
 from draftmesh.io_struct import GenerationRequest, GenerationResult, StepEvent
 from draftmesh.verify.engine import batch_limits, build_decoder
@@ -80,11 +81,35 @@ def _request(item: PreparedItem) -> GenerationRequest:
                              session_id=item.item.session, documents=item.item.corpus)
 
 
-def run_pass(decoder, method: str, items: Sequence[PreparedItem], concurrency: int) -> PassResult:
-    """Every item once, ``concurrency`` in flight, on ``decoder`` (fresh)."""
-    warm = items[0]
-    decoder.generate(dataclasses.replace(_request(warm), max_new_tokens=min(4, warm.max_new_tokens), request_id="warmup"))
-    before = decoder.batch_stats()
+class EngineLoad:
+    """The in-process decoder as a load target: what ``run_pass`` drives (``MeshLoad`` is the mesh's)."""
+
+    def __init__(self, decoder) -> None:
+        self.decoder = decoder
+
+    def warm(self, item: PreparedItem) -> None:
+        self.decoder.generate(dataclasses.replace(_request(item), max_new_tokens=min(4, item.max_new_tokens),
+                                                  request_id="warmup"))
+
+    def stream(self, item: PreparedItem) -> Iterator[tuple[str, Any]]:
+        """("step", tokens of the step) per step, then ("result", the output's token ids)."""
+        for event in self.decoder.stream(_request(item)):
+            if isinstance(event, StepEvent):
+                yield "step", len(event.token_ids)
+            elif isinstance(event, GenerationResult):
+                yield "result", tuple(event.token_ids)
+
+    def batch_stats(self) -> dict[str, Any] | None:
+        return self.decoder.batch_stats()
+
+    def close(self) -> None:
+        self.decoder.close()
+
+
+def run_pass(load, method: str, items: Sequence[PreparedItem], concurrency: int) -> PassResult:
+    """Every item once, ``concurrency`` in flight, on ``load`` (``EngineLoad``, ``MeshLoad``; fresh)."""
+    load.warm(items[0])
+    before = load.batch_stats()
     queue = list(items)
     lock = threading.Lock()
     latencies: list[float] = []
@@ -102,15 +127,15 @@ def run_pass(decoder, method: str, items: Sequence[PreparedItem], concurrency: i
             t0 = time.perf_counter()
             ttft = None
             try:
-                for event in decoder.stream(_request(item)):
-                    if isinstance(event, StepEvent) and ttft is None and event.token_ids:
+                for kind, value in load.stream(item):
+                    if kind == "step" and ttft is None and value:
                         ttft = time.perf_counter() - t0
-                    if isinstance(event, GenerationResult):
+                    if kind == "result":
                         with lock:
                             latencies.append(time.perf_counter() - t0)
                             first.append(ttft if ttft is not None else latencies[-1])
-                            outputs[item.id] = tuple(event.token_ids)
-                            tokens[0] += len(event.token_ids)
+                            outputs[item.id] = value
+                            tokens[0] += len(value)
             except BaseException as exc:  # noqa: BLE001 - reported after the pass
                 with lock:
                     errors.append(exc)
@@ -124,17 +149,26 @@ def run_pass(decoder, method: str, items: Sequence[PreparedItem], concurrency: i
     seconds = time.perf_counter() - t0
     if errors:
         raise errors[0]
-    after = decoder.batch_stats()
-    steps, rows, toks, spec = (after[k] - before[k] for k in ("steps", "forward_rows", "forward_tokens", "drafted_rows"))
-    batch = {"forwards": steps, "mean_rows": rows / steps if steps else 0.0,
-             "mean_tokens_per_forward": toks / steps if steps else 0.0,
-             "speculating_share": spec / rows if rows else 0.0, "kv_bytes_allocated": after["kv_bytes_allocated"]}
+    after = load.batch_stats()
+    batch: dict[str, Any] = {"forwards": None, "mean_rows": None, "mean_tokens_per_forward": None,
+                             "speculating_share": None, "kv_bytes_allocated": None}
+    if before is not None and after is not None:  # (a mesh not started by the bench: not visible)
+        steps, rows, toks, spec = (after[k] - before[k] for k in ("steps", "forward_rows", "forward_tokens", "drafted_rows"))
+        batch = {"forwards": steps, "mean_rows": rows / steps if steps else 0.0,
+                 "mean_tokens_per_forward": toks / steps if steps else 0.0,
+                 "speculating_share": spec / rows if rows else 0.0, "kv_bytes_allocated": after["kv_bytes_allocated"]}
     return PassResult(method, concurrency, seconds, tokens[0], latencies, first, outputs, batch)
 
 
-def _median_of(passes: Sequence[PassResult], key: str) -> float | None:
-    values = [p.batch[key] for p in passes if key in p.batch]
-    return statistics.median(values) if values else None
+def _median(values) -> float | None:
+    """The median, or None where a pass could not see the value (a mesh the bench did not start)."""
+    values = list(values)
+    return None if not values or any(v is None for v in values) else statistics.median(values)
+
+
+def _max(values) -> float | None:
+    values = list(values)
+    return None if not values or any(v is None for v in values) else max(values)
 
 
 def _pct(values: Sequence[float], q: float) -> float:
@@ -186,9 +220,13 @@ def prefill_probe(target, engine: EngineConfig, builder: BuilderConfig, long_tok
 def run_concurrency(target, items: Sequence[PreparedItem], levels: Sequence[int], methods: Sequence[str], *,
                     engine: EngineConfig, builder: BuilderConfig, source_options=None, repeats: int = 1,
                     probe_tokens: int | None = 2048, progress=print,
+                    loads: dict[str, Callable[[], Any]] | None = None,
                     external: Mapping[str, Callable[[Sequence[PreparedItem], int], PassResult]] | None = None,
                     ) -> dict[str, Any]:
-    """``external``: methods run by another engine, ``run(items, concurrency) -> PassResult``."""
+    """``loads``: a fresh load target per pass of the methods that do not run on an in-process decoder
+    (the mesh's, ``MeshLoad``); the others get a fresh in-process decoder each pass. ``external``:
+    methods whose whole pass another engine runs, ``run(items, concurrency) -> PassResult`` (vLLM)."""
+    loads = loads or {}
     external = dict(external or {})
     if not target.cost_curve:
         target.measure_cost_curve()
@@ -203,11 +241,11 @@ def run_concurrency(target, items: Sequence[PreparedItem], levels: Sequence[int]
                     runs.setdefault((m, c), []).append(res)
                     progress(f"  pass {rep + 1}/{repeats} C={c} {m}: {res.tokens_per_s:.1f} tok/s")
                     continue
-                decoder = _decoder(m, target, engine, builder, source_options)
+                load = loads[m]() if m in loads else EngineLoad(_decoder(m, target, engine, builder, source_options))
                 try:
-                    res = run_pass(decoder, m, items, c)
+                    res = run_pass(load, m, items, c)
                 finally:
-                    decoder.close()
+                    load.close()
                 runs.setdefault((m, c), []).append(res)
                 progress(f"  pass {rep + 1}/{repeats} C={c} {m}: {res.tokens_per_s:.1f} tok/s")
     reference: dict[str, tuple[int, ...]] = {}
@@ -227,11 +265,10 @@ def run_concurrency(target, items: Sequence[PreparedItem], levels: Sequence[int]
             "method": m, "concurrency": c, "tokens_per_s": statistics.median(tps), "tokens_per_s_runs": tps,
             "latency_p50_s": _pct(lat, 0.5), "latency_p95_s": _pct(lat, 0.95),
             "ttft_p50_s": _pct(ttf, 0.5), "ttft_p95_s": _pct(ttf, 0.95),
-            # None where the engine is not ours (vLLM reports no batch statistics through its worker)
-            "mean_rows": _median_of(passes, "mean_rows"),
-            "mean_tokens_per_forward": _median_of(passes, "mean_tokens_per_forward"),
-            "speculating_share": _median_of(passes, "speculating_share"),
-            "kv_bytes_allocated": max((p.batch["kv_bytes_allocated"] for p in passes if p.batch), default=None),
+            "mean_rows": _median(p.batch.get("mean_rows") for p in passes),
+            "mean_tokens_per_forward": _median(p.batch.get("mean_tokens_per_forward") for p in passes),
+            "speculating_share": _median(p.batch.get("speculating_share") for p in passes),
+            "kv_bytes_allocated": _max(p.batch.get("kv_bytes_allocated") for p in passes),
             "identical_to_plain_serial": same, "outputs": total,
         })
     rows.sort(key=lambda r: (r["concurrency"], methods.index(r["method"])))
@@ -249,7 +286,7 @@ def run_concurrency(target, items: Sequence[PreparedItem], levels: Sequence[int]
 
 def format_concurrency(report: dict[str, Any]) -> str:
     lines = ["", "Concurrency (closed loop; aggregate completion tokens/s, medians over repeats)", ""]
-    head = (f"{'C':>3} {'method':<13} {'tok/s':>8} {'x serial':>9} {'p50 s':>7} {'p95 s':>7} {'ttft50':>7} "
+    head = (f"{'C':>3} {'method':<15} {'tok/s':>8} {'x serial':>9} {'p50 s':>7} {'p95 s':>7} {'ttft50':>7} "
             f"{'ttft95':>7} {'rows':>5} {'tok/fwd':>7} {'spec':>5} {'same':>7}")
     lines.append(head)
     serial = {r["concurrency"]: r["tokens_per_s"] for r in report["rows"] if r["method"] == PLAIN_SERIAL}
@@ -257,21 +294,19 @@ def format_concurrency(report: dict[str, Any]) -> str:
         base = serial.get(r["concurrency"])
         ratio = f"{r['tokens_per_s'] / base:.2f}x" if base else "-"
         lines.append(
-            f"{r['concurrency']:>3} {r['method']:<13} {r['tokens_per_s']:>8.1f} {ratio:>9} {r['latency_p50_s']:>7.2f} "
-            f"{r['latency_p95_s']:>7.2f} {r['ttft_p50_s']:>7.3f} {r['ttft_p95_s']:>7.3f} {_cell(r['mean_rows'], 5, 2)} "
-            f"{_cell(r['mean_tokens_per_forward'], 7, 1)} {_cell(r['speculating_share'], 5, 2)} "
+            f"{r['concurrency']:>3} {r['method']:<15} {r['tokens_per_s']:>8.1f} {ratio:>9} {r['latency_p50_s']:>7.2f} "
+            f"{r['latency_p95_s']:>7.2f} {r['ttft_p50_s']:>7.3f} {r['ttft_p95_s']:>7.3f} {fmt(r['mean_rows'], '.2f'):>5} "
+            f"{fmt(r['mean_tokens_per_forward']):>7} {fmt(r['speculating_share'], '.2f'):>5} "
             f"{r['identical_to_plain_serial']:>3}/{r['outputs']:<3}")
     probe = report.get("prefill_probe")
     if probe:
         lines += ["", f"Prefill probe: a short request's time to first token {1e3 * probe['ttft_alone_s']:.0f} ms alone, "
                       f"{1e3 * probe['ttft_beside_long_prefill_s']:.0f} ms while a {probe['long_prompt_tokens']}-token prompt "
                       f"prefills in chunks of {probe['prefill_chunk']} ({probe['ratio']:.2f}x)"]
+    if report.get("note"):
+        lines += ["", report["note"]]
     lines.append(f"KV per token: {report['kv_bytes_per_token']} bytes")
     return "\n".join(lines)
-
-
-def _cell(value: float | None, width: int, digits: int) -> str:
-    return f"{value:>{width}.{digits}f}" if value is not None else f"{'-':>{width}}"
 
 
 def plot_concurrency(report: dict[str, Any], path: str) -> None:

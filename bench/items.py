@@ -65,6 +65,8 @@ class ItemRun:
     """Seconds from the call to the first generated token (None where not visible: hf)."""
     cached_prompt_tokens: int | None = None
     """Mesh only: prompt tokens whose KV came from the mesh's session cache (not prefilled)."""
+    completion_tokens: int | None = None
+    """The HTTP face only: ``usage.completion_tokens`` (it returns text, so ``token_ids`` stays empty)."""
 
     @property
     def new_tokens(self) -> int:

@@ -267,12 +267,15 @@ def open_mesh(
     api_key: str | None = None,
     tls_ca: bytes | None = None,
     max_nodes: int | None = None,
+    http: bool = False,
 ) -> tuple[list[MeshRunner], dict[str, Any], Callable[[], dict[str, Any] | None]]:
     """Connect to ``addr``, or start a local mesh with the bench's config (its engine, sources
     and builder; a private, keyless, plaintext mesh on a free port), stopped by ``cleanup``, also
     on an error or Ctrl-C. Returns the mesh runners, the mesh facts for the report and a function
     measuring the mesh's memory (None for a mesh not started here). ``max_nodes`` (given by the
-    user) is sent with every request to a mesh the bench did not start."""
+    user) is sent with every request to a mesh the bench did not start. ``http``: the mesh the bench
+    starts serves its HTTP face too, on a free port (``info["http_address"]``); else that face is off,
+    so a bench never takes the default port 8000 from a mesh already running here."""
     api_key = api_key_from_env(api_key)
     if addr:
         client = cleanup.enter_context(MeshClient(addr, api_key=api_key, tls_ca=tls_ca))
@@ -288,7 +291,7 @@ def open_mesh(
         return runners, info, lambda: None
 
     # Serve's per-request INFO lines would bury the progress bar and the tables
-    cfg = cfg.replace(serve={"grpc_port": free_port(), "log_level": "WARNING", "address": None, "api_keys": None,
+    cfg = cfg.replace(serve={"grpc_port": free_port(), "http_port": free_port() if http else 0, "log_level": "WARNING", "address": None, "api_keys": None,
                              "api_keys_file": None, "tls_cert": None, "tls_key": None})
     embedded_redis = cfg.serve.redis_url is None
     print(f"draftmesh bench: starting a local mesh for {cfg.engine.model} ({cfg.engine.threads} torch threads) ...",
@@ -306,6 +309,7 @@ def open_mesh(
     cfg = running.config
     info = {
         "address": running.address,
+        "http_address": running.http_address,
         "started_by_bench": True,
         "started_s": round(running.started_s, 3),
         "memory": None,

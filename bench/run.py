@@ -76,6 +76,12 @@ def run(args: argparse.Namespace) -> int:
         # --concurrency names its own methods (concurrency_methods), checked where that mode runs
         methods = [] if opt("concurrency") else parse_methods(default_methods(target_kind, opt("methods")))
         check_target(target_kind, methods, addr=opt("addr"), tls_ca=opt("tls_ca"))
+        if (opt("api") or "grpc") != "grpc" and target_kind != "mesh":
+            raise ValueError(f"--api {opt('api')} compares the faces of a mesh: add --target mesh")
+        if opt("http_addr") and (opt("api") or "grpc") != "openai":
+            raise ValueError("--http-addr applies to --api openai")
+        if opt("api") == "openai" and opt("addr") and not opt("http_addr"):
+            raise ValueError("--api openai with --addr needs --http-addr (where that mesh serves its HTTP face)")
     except (WorkloadError, ValueError) as exc:
         return _error(str(exc))
     mesh_methods = [m for m in methods if m.family == "mesh"]
@@ -118,7 +124,11 @@ def run(args: argparse.Namespace) -> int:
         except (ValueError, FileNotFoundError, OSError) as exc:
             return _error(str(exc))
         if opt("concurrency"):
-            return _run_concurrency(args, cfg, target, prepared, threads)
+            if (opt("target") or "local") == "mesh" and not opt("addr") and injected is not None:
+                return _error("--target mesh without --addr starts a mesh for --model, which must be a model spec")
+            return _run_concurrency(args, cfg, target, prepared, threads, tls_ca)
+        if (opt("api") or "grpc") == "openai":
+            return _run_faces(args, cfg, prepared, methods, repeats, tls_ca, injected is not None)
         if mesh_methods and not opt("addr") and injected is not None:
             return _error("--target mesh without --addr starts a mesh for --model, which must be a model spec")
         mesh_info: dict[str, Any] | None = None
@@ -216,7 +226,7 @@ def _write_outputs(json_path, payload, plot_path, plot) -> None:
         print(f"wrote {plot_path}")
 
 
-def _run_concurrency(args, cfg, target, prepared, threads: int) -> int:
+def _run_concurrency(args, cfg, target, prepared, threads: int, tls_ca: bytes | None = None) -> int:
     opt = lambda name, default=None: getattr(args, name, default)  # noqa: E731
     try:
         levels = [int(x) for x in str(opt("concurrency")).split(",") if x.strip()]
@@ -228,8 +238,36 @@ def _run_concurrency(args, cfg, target, prepared, threads: int) -> int:
         methods = concurrency_methods(opt("methods"))
     except ValueError as exc:
         return _error(str(exc))
+    loads: dict = {}
+    external: dict = {}
+    note = None
     with contextlib.ExitStack() as cleanup:
-        external = {}
+        if (opt("target") or "local") == "mesh":
+            from draftmesh.bench.mesh_load import MeshLoad, verifier_batch_stats  # lazy: only this mode
+            from draftmesh.bench.methods import MESH_METHODS
+
+            # The bench's own mesh runs as many requests at once as the highest level asks for.
+            top = max(levels)
+            cfg = cfg.replace(serve={"verifier_max_ongoing": max(cfg.serve.verifier_max_ongoing, top),
+                                     "max_in_flight": max(cfg.serve.max_in_flight, top)})
+            try:
+                mesh_runners, info, _ = open_mesh(cleanup, [m for m in parse_methods(",".join(MESH_METHODS))
+                                                            if m.family == "mesh"], cfg, addr=opt("addr"),
+                                                  api_key=opt("api_key"), tls_ca=tls_ca, max_nodes=opt("max_nodes"))
+            except MeshError as exc:
+                return _error(str(exc))
+            stats = verifier_batch_stats if info.get("started_by_bench") else None
+
+            def fresh(runner):
+                def make():
+                    runner.reset()  # a pass starts from a reset mesh, as each in-process pass from a fresh decoder
+                    return MeshLoad(runner, stats)
+                return make
+
+            loads = {r.name: fresh(r) for r in mesh_runners}
+            methods = [PLAIN_SERIAL, *loads, *([VLLM_CONCURRENT] if VLLM_CONCURRENT in methods else [])]
+            note = (f"{PLAIN_SERIAL} runs in-process (the reference: batch-1 plain decoding); "
+                    f"{', '.join(loads)} through the mesh's gRPC face at {info['address']}")
         if VLLM_CONCURRENT in methods:
             try:
                 worker = start_vllm(find_vllm_python(opt("vllm_python")), local_model_folder(cfg.engine.model),
@@ -239,15 +277,16 @@ def _run_concurrency(args, cfg, target, prepared, threads: int) -> int:
                 return _error(str(exc))
             cleanup.callback(worker.close)
             external[VLLM_CONCURRENT] = closed_loop_pass(worker, target.eos_token_ids)
-        return _concurrency_report(args, cfg, target, prepared, threads, levels, methods, external)
-
-
-def _concurrency_report(args, cfg, target, prepared, threads, levels, methods, external) -> int:
-    opt = lambda name, default=None: getattr(args, name, default)  # noqa: E731
-    print(f"draftmesh bench --concurrency {','.join(map(str, levels))}: {len(prepared)} items, methods {', '.join(methods)}")
-    report = run_concurrency(target, prepared, levels, methods, engine=cfg.engine, builder=cfg.builder,
-                             source_options=cfg.sources.options, repeats=opt("repeats") or 1,
-                             probe_tokens=opt("prefill_probe_tokens"), external=external)
+        print(f"draftmesh bench --concurrency {','.join(map(str, levels))}: {len(prepared)} items, methods {', '.join(methods)}")
+        try:
+            report = run_concurrency(target, prepared, levels, methods, engine=cfg.engine, builder=cfg.builder,
+                                     source_options=cfg.sources.options, repeats=opt("repeats") or 1,
+                                     probe_tokens=opt("prefill_probe_tokens"), loads=loads, external=external)
+        except MeshError as exc:
+            return _error(str(exc))
+    if note:
+        report["note"] = note
+        report["target"] = "mesh"
     report["meta"] = {"date": datetime.now(timezone.utc).isoformat(timespec="seconds"),
                       "command": opt("command_line") or command_line("draftmesh bench"), "machine": machine_info(),
                       "model": cfg.engine.model, "threads": threads, "dtype": str(target.dtype).replace("torch.", ""),
@@ -259,6 +298,56 @@ def _concurrency_report(args, cfg, target, prepared, threads, levels, methods, e
     if PLAIN_SERIAL not in methods:
         mismatched = 0  # nothing to compare with
     return EXIT_MISMATCH if mismatched else EXIT_OK
+
+
+def _run_faces(args, cfg, prepared, methods, repeats: int, tls_ca, injected: bool) -> int:
+    """``--api openai``: the mesh methods through both faces of one mesh (``draftmesh.bench.faces``)."""
+    from draftmesh.bench.faces import faces_report, format_faces, plot_faces, run_faces  # lazy: only this mode
+    from draftmesh.bench.methods import MESH_DRAFTMESH
+    from draftmesh.bench.openai_runner import OpenAIRunner  # lazy: imports openai
+    from draftmesh.client import api_key_from_env
+
+    opt = lambda name, default=None: getattr(args, name, default)  # noqa: E731
+    if not opt("addr") and injected:
+        return _error("--target mesh without --addr starts a mesh for --model, which must be a model spec")
+    # Only the mesh methods run (default: mesh:draftmesh); the in-process ones are not part of this comparison.
+    mesh_methods = [m for m in methods if m.family == "mesh"] if opt("methods") else \
+        [m for m in parse_methods(MESH_DRAFTMESH) if m.family == "mesh"]
+    try:
+        with contextlib.ExitStack() as cleanup:
+            try:
+                grpc_runners, info, measure_memory = open_mesh(
+                    cleanup, mesh_methods, cfg, addr=opt("addr"), api_key=opt("api_key"), tls_ca=tls_ca,
+                    max_nodes=opt("max_nodes"), http=True)
+            except MeshError as exc:
+                return _error(str(exc))
+            http_addr = opt("http_addr") or info.get("http_address")
+            info["http_address"] = http_addr
+            key = api_key_from_env(opt("api_key")) if opt("addr") else None
+            runners = {}
+            for r in grpc_runners:
+                http = OpenAIRunner(r.name, f"http://{http_addr}/v1", model=cfg.engine.model, api_key=key,
+                                    speculate=r.speculate, session_suffix=r.session_suffix)
+                cleanup.callback(http.close)
+                runners[r.name] = {"grpc": r, "http": http}
+            try:
+                runs = run_faces(runners, prepared, repeats, reset=grpc_runners[0].reset)
+            except MeshError as exc:
+                return _error(str(exc))
+            if info.get("started_by_bench"):
+                info["memory"] = measure_memory()
+    except KeyboardInterrupt:
+        print("draftmesh bench: interrupted" + ("" if opt("addr") else " (the mesh it started is stopped)"),
+              file=sys.stderr)
+        return EXIT_INTERRUPTED
+    report = faces_report(runs, prepared, repeats, info)
+    report["meta"] = {"date": datetime.now(timezone.utc).isoformat(timespec="seconds"),
+                      "command": opt("command_line") or command_line("draftmesh bench"), "machine": machine_info(),
+                      "model": cfg.engine.model, "threads": cfg.engine.threads,
+                      "workload": {"path": str(args.workload), "items": len(prepared)}}
+    print(format_faces(report))
+    _write_outputs(opt("json"), lambda: report, opt("plot"), lambda path: plot_faces(report, path))
+    return EXIT_MISMATCH if any(s["mismatches"] for s in report["summary"].values()) else EXIT_OK
 
 
 def cold_starts(runners, methods, model_spec: str, dtype: str, threads: int, prepared) -> dict[str, Any]:

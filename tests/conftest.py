@@ -1,4 +1,5 @@
-"""Shared fixtures: tiny random-weight targets (fast, float64), the real packaged model, a real Redis."""
+"""Shared fixtures: tiny random-weight targets (fast, float64), the real packaged model, a real Redis,
+and the session's one served mesh (``served_mesh``), whose users run last."""
 
 from __future__ import annotations
 
@@ -10,10 +11,19 @@ import torch
 from draftmesh.redis_server import EmbeddedRedis, find_redis_server
 from tiny_models import tiny_target
 
+# The served mesh's fixtures, once for the session: every module that uses ``mesh`` gets the same one.
+pytest_plugins = ["served_mesh"]
+
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 # Tiny models are fastest on one thread; OpenMP spinning on a busy 2-core box costs 20x.
 torch.set_num_threads(int(os.environ.get("DRAFTMESH_TEST_THREADS", "1")))
+
+
+def pytest_collection_modifyitems(config, items):
+    from served_mesh import mesh_users_last
+
+    items[:] = mesh_users_last(items)
 
 
 @pytest.fixture(scope="session", params=["llama", "gemma3"])

@@ -8,12 +8,17 @@ bound), ONE streaming call to the verifier pool.
   verifier's work before its next step.
 - ``GET /v1/models``, ``GET /v1/models/{id}``, ``GET /health`` (no key needed: probes).
 - Errors are OpenAI's JSON: ``{"error": {"message", "type", "param", "code"}}``.
+- A deadline: ``X-Request-Timeout: <seconds>``, the HTTP twin of a gRPC deadline (HTTP has none of its
+  own, and a client's read timeout only closes its socket): when it expires the verifier's work is
+  cancelled and the answer is 504 (after a stream's 200: the error as its last event).
 """
 
 from __future__ import annotations
 
+import asyncio
 import inspect
 import json
+import math
 import time
 from typing import Any, AsyncIterator
 
@@ -36,6 +41,35 @@ http_app = FastAPI(title="draftmesh", docs_url=None, redoc_url=None, openapi_url
 CHAT_ROUTE = "/v1/chat/completions"
 COMPLETIONS_ROUTE = "/v1/completions"
 REQUEST_ID_HEADER = "x-request-id"
+TIMEOUT_HEADER = "X-Request-Timeout"
+MAX_REQUEST_TIMEOUT_S = 3600.0
+
+
+def request_deadline(headers, now: float) -> float | None:
+    """The monotonic time by which the request must be answered (``X-Request-Timeout``, seconds), or None."""
+    raw = headers.get(TIMEOUT_HEADER.lower())
+    if raw is None:
+        return None
+    try:
+        seconds = float(raw)
+    except ValueError:
+        seconds = math.nan
+    if not 0 < seconds <= MAX_REQUEST_TIMEOUT_S:  # (NaN fails this too)
+        raise RpcError(grpc.StatusCode.INVALID_ARGUMENT,
+                       f"{TIMEOUT_HEADER}: must be a number of seconds in (0, {MAX_REQUEST_TIMEOUT_S:g}], got {raw!r}",
+                       TIMEOUT_HEADER)
+    return now + seconds
+
+
+async def within(awaitable, deadline: float | None):
+    """``await awaitable``, cancelled at ``deadline`` (the verifier call with it) and raised as DEADLINE_EXCEEDED."""
+    if deadline is None:
+        return await awaitable
+    try:
+        return await asyncio.wait_for(awaitable, max(0.0, deadline - time.monotonic()))
+    except asyncio.TimeoutError:
+        raise RpcError(grpc.StatusCode.DEADLINE_EXCEEDED,
+                       f"deadline exceeded: the request's {TIMEOUT_HEADER} expired before it was answered") from None
 
 
 class HttpError(Exception):
@@ -155,6 +189,7 @@ class HttpFace:
         try:
             self._start_lag_watch()
             self._authenticate(headers)
+            deadline = request_deadline(request.headers, time.monotonic())
             raw = await read_body(request, self.limits.max_body_bytes)
             try:
                 body = oa.parse_body(raw, model)
@@ -168,13 +203,13 @@ class HttpFace:
             created = int(time.time())
             reply_headers: dict[str, str] = {}  # (Serve's proxy answers x-request-id itself)
             if not face.stream:
-                served = await self._result(req, call)
+                served = await within(self._result(req, call), deadline)
                 answer = oa.completion(endpoint, served, req.request_id, body.model, created)
                 return JSONResponse(answer.model_dump(), headers=reply_headers)
             events = self._events(req)
-            first = await anext(events)  # a refusal before the first step is still an HTTP error
+            first = await within(anext(events), deadline)  # a refusal before the first step is still an HTTP error
             streaming = True
-            return StreamingResponse(self._http_stream(face, req, call, created, first, events),
+            return StreamingResponse(self._http_stream(face, req, call, created, first, events, deadline),
                                      media_type="text/event-stream",
                                      headers={**reply_headers, "Cache-Control": "no-cache", "X-Accel-Buffering": "no"})
         except RpcError as exc:
@@ -199,7 +234,7 @@ class HttpFace:
                 call.end()
 
     async def _http_stream(self, face: oa.Face, req: ServeRequest, call: HttpCall, created: int, first,
-                           events: AsyncIterator) -> AsyncIterator[bytes]:
+                           events: AsyncIterator, deadline: float | None = None) -> AsyncIterator[bytes]:
         endpoint, model = face.endpoint, face.body.model
         rid = req.request_id
         try:
@@ -219,7 +254,7 @@ class HttpFace:
                     yield DONE
                     return
                 try:
-                    event = await anext(events)
+                    event = await within(anext(events), deadline)
                 except StopAsyncIteration:
                     raise RpcError(grpc.StatusCode.INTERNAL, "the verifier ended without a result") from None
         except (RpcError, Exception) as exc:  # after the 200: the error as the stream's last event

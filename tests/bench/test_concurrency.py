@@ -3,11 +3,15 @@
 from __future__ import annotations
 
 import json
+from pathlib import Path
 
+import pytest
 from bench_args import parse, workload_file
 from tiny_models import tiny_target
 
 from draftmesh.bench.run import run
+
+ROOT = Path(__file__).resolve().parents[2]
 
 
 def test_concurrency_run_reports_every_level_and_method(tmp_path, capsys):
@@ -29,3 +33,29 @@ def test_concurrency_run_reports_every_level_and_method(tmp_path, capsys):
     assert rows[("plain", 3)]["mean_rows"] > 1.5  # batched: several requests per forward
     assert data["prefill_probe"]["ttft_alone_s"] > 0 and data["kv_bytes_per_token"] > 0
     assert out_png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+
+
+@pytest.mark.slow
+def test_concurrency_through_the_mesh(mesh, tmp_path, capsys):
+    """--target mesh: plain and draftmesh through the gRPC face of the session's mesh, plain-serial
+    in-process as the reference; every output identical to it."""
+    from served_mesh import API_KEY
+
+    out_json = tmp_path / "c.json"
+    args = parse(["--workload", str(ROOT / "bench" / "public.jsonl"), "--target", "mesh", "--addr", mesh.address,
+                  "--api-key", API_KEY, "--concurrency", "1,2", "--limit", "2", "--max-new-tokens", "12",
+                  "--repeats", "1", "--threads", "2", "--json", str(out_json), "--prefill-probe-tokens", "0",
+                  "--no-progress"])
+    code = run(args)
+    printed = capsys.readouterr().out
+    assert code == 0, printed
+    assert "through the mesh's gRPC face" in printed
+    data = json.loads(out_json.read_text())
+    assert data["target"] == "mesh" and data["methods"] == ["plain-serial", "mesh:plain", "mesh:draftmesh"]
+    rows = {(r["method"], r["concurrency"]): r for r in data["rows"]}
+    assert set(rows) == {(m, c) for m in data["methods"] for c in (1, 2)}
+    for r in rows.values():
+        assert r["outputs"] == 2 and r["identical_to_plain_serial"] == 2 and r["tokens_per_s"] > 0
+        assert r["latency_p95_s"] >= r["latency_p50_s"] > 0 and r["ttft_p50_s"] > 0
+    # a mesh the bench did not start: its batch counters are not visible, and say so (None), not 0
+    assert rows[("mesh:plain", 2)]["mean_rows"] is None and rows[("plain-serial", 2)]["mean_rows"] == 1.0

@@ -1,8 +1,8 @@
 """The OpenAI-compatible HTTP face end to end: the real ``openai`` client against a real mesh (Ray Serve,
 SmolLM2 on CPU, Redis, a fact-check worker), compared with the same mesh's gRPC ``Complete``.
 
-One module-scoped mesh serves every test here; it admits two requests at once so that admission (429)
-is cheap to reach.
+The mesh is the session's one served mesh (tests/served_mesh.py), shared with the gRPC tests of
+tests/router/test_mesh.py: the HTTP port is on there.
 """
 
 from __future__ import annotations
@@ -11,58 +11,17 @@ import json
 import os
 import time
 
-import grpc
 import httpx
 import openai
 import pytest
+from served_mesh import API_KEY, AUTH, MAX_IN_FLIGHT, MODEL, scrape, total, verifier_stats, wait_idle
+from served_mesh import COPY_PROMPT as COPY
 
-from draftmesh.config import DraftmeshConfig
-from draftmesh.net import free_port
 from draftmesh.v1 import generation_pb2 as pb
-from draftmesh.v1 import generation_pb2_grpc as pb_grpc
 
 pytestmark = pytest.mark.slow
 
-API_KEY = "http-test-key-0123456789"
-AUTH = (("authorization", f"Bearer {API_KEY}"),)
-MODEL = "smollm2-135m"
-COPY = ("Copy this sentence exactly, then stop: The quick brown fox jumps over the lazy dog "
-        "while the cat sleeps on the warm windowsill.")
 ESSAY = "Write a long essay about the history of the bicycle{}."
-TRACING_ENV = {"OTEL_EXPORTER_OTLP_PROTOCOL": "grpc", "OTEL_BSP_SCHEDULE_DELAY": "200"}
-
-
-@pytest.fixture(scope="module")
-def otlp():
-    from draftmesh.bench.otlp_receiver import OtlpReceiver
-
-    receiver = OtlpReceiver().start()
-    yield receiver
-    receiver.stop()
-
-
-@pytest.fixture(scope="module")
-def mesh(otlp):
-    from draftmesh.router.launcher import start_mesh
-
-    cfg = DraftmeshConfig.from_dict({
-        "engine": {"threads": 2},
-        "serve": {"grpc_port": free_port(), "http_port": free_port(), "verifier_num_cpus": 0.5, "max_in_flight": 2,
-                  "api_keys": [API_KEY], "log_level": "WARNING"},
-        "factcheck": {"block_ms": 200},
-    })
-    env = {**TRACING_ENV, "OTEL_EXPORTER_OTLP_ENDPOINT": otlp.endpoint}
-    saved = {k: os.environ.get(k) for k in env}
-    os.environ.update(env)
-    try:
-        running = start_mesh(cfg, ray_init={"num_cpus": 4, "_system_config": {"metrics_report_interval_ms": 1000}})
-    finally:
-        for key, value in saved.items():
-            os.environ.pop(key) if value is None else os.environ.__setitem__(key, value)
-    assert running.http_address
-    print(f"mesh started in {running.started_s:.1f}s; gRPC {running.address}, HTTP {running.http_address}")
-    yield running
-    running.stop()
 
 
 @pytest.fixture(scope="module")
@@ -76,12 +35,6 @@ def client(base_url):
         yield c
 
 
-@pytest.fixture(scope="module")
-def stub(mesh):
-    with grpc.insecure_channel(mesh.address) as ch:
-        yield pb_grpc.GenerationStub(ch)
-
-
 def grpc_chat(stub, text: str, max_new_tokens: int, **kw) -> pb.GenerateResult:
     req = pb.GenerateRequest(messages=[pb.ChatMessage(role="user", content=text)], max_new_tokens=max_new_tokens, **kw)
     return stub.Complete(req, metadata=AUTH, timeout=120)
@@ -89,21 +42,6 @@ def grpc_chat(stub, text: str, max_new_tokens: int, **kw) -> pb.GenerateResult:
 
 def user(text: str) -> list[dict]:
     return [{"role": "user", "content": text}]
-
-
-def verifier_stats() -> dict:
-    from ray import serve
-
-    return serve.get_deployment_handle("verifier", app_name="draftmesh").stats.remote().result(timeout_s=10)
-
-
-def wait_idle(timeout_s: float = 5.0) -> dict:
-    deadline = time.monotonic() + timeout_s
-    while True:
-        stats = verifier_stats()
-        if stats["active"] == 0 or time.monotonic() > deadline:
-            return stats
-        time.sleep(0.1)
 
 
 # ---------------------------------------------------------------------------- outputs
@@ -327,21 +265,59 @@ def _open_stream(base_url: str, text: str):
 
 
 def test_beyond_max_in_flight_is_429_and_disconnects_cancel_the_verifier(base_url, client):
-    """Two streams hold the mesh's two slots: a third request is refused at once. Closing them (the
+    """Streams hold all of the mesh's slots: one more request is refused at once. Closing them (the
     client going away) cancels their verifier work, long before their 600 tokens."""
     before = verifier_stats()
-    streams = [_open_stream(base_url, ESSAY.format(f", part {i}")) for i in range(2)]
+    streams = []
     try:
+        for i in range(MAX_IN_FLIGHT):
+            streams.append(_open_stream(base_url, ESSAY.format(f", part {i}")))
         with pytest.raises(openai.RateLimitError) as info:
             client.chat.completions.create(model=MODEL, messages=user("hi"), max_tokens=4)
         assert "server busy" in info.value.body["message"]
     finally:
         for cm, _ in streams:
             cm.__exit__(None, None, None)
-    after = wait_idle(timeout_s=30)
+    after = wait_idle(timeout_s=60)
     assert after["active"] == 0
-    assert after["cancelled"] >= before["cancelled"] + 2
-    assert after["steps"] - before["steps"] < 400
+    assert after["cancelled"] >= before["cancelled"] + MAX_IN_FLIGHT
+    assert after["steps"] - before["steps"] < 200 * MAX_IN_FLIGHT
+
+
+# ---------------------------------------------------------------------------- deadlines (504)
+def test_an_expired_request_timeout_is_504_and_cancels_the_verifier(base_url):
+    before = verifier_stats()
+    body = {"model": MODEL, "messages": user(ESSAY.format(", in brief")), "max_tokens": 600}
+    t0 = time.monotonic()
+    r = post(base_url, "/chat/completions", json.dumps(body), **{"X-Request-Timeout": "1.5"})
+    assert time.monotonic() - t0 < 30  # answered at its deadline, not after 600 tokens
+    error = assert_error(r, 504, None)
+    assert error["type"] == "timeout_error" and error["code"] == "deadline_exceeded"
+    assert "X-Request-Timeout" in error["message"]
+    after = wait_idle(timeout_s=30)
+    assert after["active"] == 0 and after["cancelled"] > before["cancelled"]
+    assert after["steps"] - before["steps"] < 300
+
+
+def test_a_stream_past_its_timeout_ends_with_a_504_event(base_url):
+    body = {"model": MODEL, "messages": user(ESSAY.format(", in short")), "max_tokens": 600, "stream": True}
+    with httpx.stream("POST", f"{base_url}/chat/completions", json=body, timeout=60,
+                      headers={"Authorization": f"Bearer {API_KEY}", "X-Request-Timeout": "2"}) as r:
+        assert r.status_code == 200
+        events = [line for line in r.iter_lines() if line]
+    assert events[-1] == "data: [DONE]"
+    last = json.loads(events[-2][6:])
+    assert last["error"]["code"] == "deadline_exceeded" and last["error"]["type"] == "timeout_error"
+    assert any('"content":"' in e and '"content":""' not in e for e in events[:-2])  # it streamed until the deadline
+    assert wait_idle(timeout_s=30)["active"] == 0
+
+
+@pytest.mark.parametrize("value", ["0", "-1", "soon", "nan", "1e9"])
+def test_a_bad_request_timeout_is_a_400_naming_the_header(base_url, value):
+    body = {"model": MODEL, "messages": user("hi"), "max_tokens": 4}
+    error = assert_error(post(base_url, "/chat/completions", json.dumps(body), **{"X-Request-Timeout": value}),
+                         400, "X-Request-Timeout")
+    assert repr(value) in error["message"]
 
 
 # ---------------------------------------------------------------------------- traces and metrics
@@ -364,21 +340,6 @@ def test_traceparent_continues_into_the_same_trace(client, otlp):
     assert decode.parent_id == server.span_id and decode.service == "draftmesh-verifier"
 
 
-def scrape(address: str) -> dict[str, float]:
-    body = httpx.get(f"http://{address}/metrics", timeout=10).text
-    out = {}
-    for line in body.splitlines():
-        if line and not line.startswith("#"):
-            series, _, value = line.rpartition(" ")
-            out[series] = float(value)
-    return out
-
-
-def total(metrics: dict[str, float], name: str, **labels: str) -> float:
-    want = [f'{k}="{v}"' for k, v in labels.items()]
-    return sum(v for s, v in metrics.items() if s.split("{", 1)[0] == name and all(w in s for w in want))
-
-
 def test_metrics_by_endpoint_and_status(mesh, client, base_url):
     name = "ray_draftmesh_http_requests_total"
     before = scrape(mesh.metrics_address)
@@ -395,3 +356,35 @@ def test_metrics_by_endpoint_and_status(mesh, client, base_url):
         time.sleep(1)
     assert all(moved[k] >= v for k, v in want.items()), moved
     assert total(after, "ray_draftmesh_http_request_seconds_count", endpoint="/v1/completions") > 0
+
+
+# ---------------------------------------------------------------------------- losing a replica (after the others)
+@pytest.mark.breaks_mesh
+def test_a_request_on_a_lost_verifier_replica_is_503_and_the_next_is_served(base_url, client):
+    """No verifier replica can finish the request: 503 with OpenAI's error body, then Serve's replacement serves."""
+    import threading
+
+    import ray
+
+    names = [a for a in ray.util.list_named_actors(all_namespaces=True)
+             if "verifier" in a["name"] and a["name"].startswith("SERVE_REPLICA")]
+    assert len(names) == 1, names
+    replica = ray.get_actor(names[0]["name"], namespace=names[0]["namespace"])
+    answer = {}
+    body = {"model": MODEL, "messages": user(ESSAY.format(", for a lost replica")), "max_tokens": 2000}
+    steps = verifier_stats()["steps"]
+    caller = threading.Thread(target=lambda: answer.setdefault("r", post(base_url, "/chat/completions", json.dumps(body))))
+    caller.start()
+    # Decoding for a few steps on the replica we are about to lose (a request lost before its first step
+    # is retried on another replica, which is not the case under test).
+    deadline = time.monotonic() + 60
+    while (stats := verifier_stats())["active"] == 0 or stats["steps"] < steps + 3:
+        assert time.monotonic() < deadline, "the request never reached the verifier"
+        time.sleep(0.05)
+    ray.kill(replica, no_restart=True)
+    caller.join(timeout=120)
+    error = assert_error(answer["r"], 503, None)
+    assert error["type"] == "server_error" and error["code"] == "unavailable" and "verifier failed" in error["message"]
+    with openai.OpenAI(base_url=base_url, api_key=API_KEY, max_retries=0, timeout=300) as c:
+        again = c.chat.completions.create(model=MODEL, messages=user("Say OK."), max_tokens=4)
+    assert again.usage.completion_tokens >= 1

@@ -1,9 +1,8 @@
-"""The served mesh end to end: real Ray Serve, real gRPC, real Redis, real SmolLM2 on CPU.
+"""The served mesh end to end through its gRPC face: real Ray Serve, real gRPC, real Redis, real
+SmolLM2 on CPU. Outputs are compared with the in-process engine.
 
-One session-scoped mesh serves every test here (starting it costs ~15 s). It runs the
-default in-process sources plus four remote ones: two Serve draft deployments that raise
-or hang, an external gRPC DraftSource served by this test process, and an external
-address where nothing listens. Outputs are compared with the in-process engine.
+The mesh is the session's one served mesh (tests/served_mesh.py), shared with the HTTP face's tests;
+the tests that break it (``breaks_mesh``) run after every other test that uses it.
 """
 
 from __future__ import annotations
@@ -12,134 +11,14 @@ import os
 import threading
 import time
 from concurrent.futures import ThreadPoolExecutor
-from pathlib import Path
 
 import grpc
 import pytest
+from served_mesh import API_KEY, AUTH, COPY_PROMPT, MAX_IN_FLIGHT, chat, in_process, scrape, total, verifier_stats, wait_idle
 
-from draftmesh.config import DraftmeshConfig
-from draftmesh.net import free_port
 from draftmesh.v1 import generation_pb2 as pb
-from draftmesh.v1 import generation_pb2_grpc as pb_grpc
 
 pytestmark = pytest.mark.slow
-
-API_KEY = "test-key-0123456789"
-TESTS_DIR = Path(__file__).resolve().parents[1]
-WIKIDATA = TESTS_DIR / "fixtures" / "wikidata"
-COPY_PROMPT = (
-    "Copy this sentence exactly, then stop: The quick brown fox jumps over the lazy dog "
-    "while the cat sleeps on the warm windowsill."
-)
-
-
-@pytest.fixture(scope="session")
-def external_source():
-    """A DraftSource gRPC server in this process: prompt lookup over the target tokenizer."""
-    from draftmesh.draft import registry
-    from draftmesh.draft.grpc_server import serve_source
-
-    server, port = serve_source(registry.create("prompt_lookup"), 0)
-    yield f"127.0.0.1:{port}"
-    server.stop(0)
-
-
-@pytest.fixture(scope="session")
-def otlp():
-    """The collector every part of the mesh exports its spans to (an in-process OTLP receiver)."""
-    from draftmesh.bench.otlp_receiver import OtlpReceiver
-
-    receiver = OtlpReceiver().start()
-    yield receiver
-    receiver.stop()
-
-
-TRACING_ENV = {"OTEL_EXPORTER_OTLP_PROTOCOL": "grpc", "OTEL_BSP_SCHEDULE_DELAY": "200"}
-
-
-@pytest.fixture(scope="session")
-def mesh(external_source, otlp):
-    from draftmesh.router.launcher import start_mesh
-
-    os.environ["PYTHONPATH"] = os.pathsep.join(filter(None, [str(TESTS_DIR), os.environ.get("PYTHONPATH")]))
-    small = {"num_cpus": 0.1}
-    cfg = DraftmeshConfig.from_dict({
-        "engine": {"threads": 2},
-        "serve": {"grpc_port": free_port(), "http_port": 0, "verifier_num_cpus": 0.5, "max_in_flight": 8, "api_keys": [API_KEY]},
-        "sources": {"remote": {
-            "boom": {"factory": "mesh_sources:raising", "deployment": small},
-            "stuck": {"factory": "mesh_sources:hanging", "deployment": small},
-            "extern": {"address": external_source, "token_ids": True},
-            "down": {"address": f"127.0.0.1:{free_port()}"},
-        }},
-        # The workers (started by the launcher in their own environment when it exists) check
-        # entities against an offline store built from the recorded Wikidata excerpts.
-        "factcheck": {"wikidata": "offline", "wikidata_dump": [str(WIKIDATA / "entity-Q42.json")], "block_ms": 200},
-    })
-    # Tracing on for what the mesh starts (Ray's processes and the workers keep the environment
-    # they started with), not for this test process.
-    env = {**TRACING_ENV, "OTEL_EXPORTER_OTLP_ENDPOINT": otlp.endpoint}
-    saved = {k: os.environ.get(k) for k in env}
-    os.environ.update(env)
-    try:
-        running = start_mesh(cfg, ray_init={"num_cpus": 4, "_system_config": {"metrics_report_interval_ms": 1000}})
-    finally:
-        for key, value in saved.items():
-            os.environ.pop(key) if value is None else os.environ.__setitem__(key, value)
-    assert running.factcheck_workers is not None and running.redis is not None
-    print(f"mesh started in {running.started_s:.1f}s at {running.address}")
-    yield running
-    running.stop()
-
-
-@pytest.fixture(scope="session")
-def channel(mesh):
-    with grpc.insecure_channel(mesh.address) as ch:
-        yield ch
-
-
-@pytest.fixture(scope="session")
-def stub(channel):
-    return pb_grpc.GenerationStub(channel)
-
-
-AUTH = (("authorization", f"Bearer {API_KEY}"),)
-
-
-@pytest.fixture(scope="session")
-def engine(mesh):
-    """The in-process engine with the mesh's in-process sources."""
-    from draftmesh.verify.engine import decoder_from_config, load_target
-
-    cfg = DraftmeshConfig().replace(engine={"threads": 2})
-    return decoder_from_config(load_target(cfg.engine), cfg)
-
-
-def chat(text: str, max_new_tokens: int = 40, **kw) -> pb.GenerateRequest:
-    return pb.GenerateRequest(messages=[pb.ChatMessage(role="user", content=text)], max_new_tokens=max_new_tokens, **kw)
-
-
-def in_process(engine, text: str, max_new_tokens: int):
-    from draftmesh.io_struct import GenerationRequest
-    from draftmesh.prompts import encode_messages
-
-    ids = encode_messages(engine.target.tokenizer, [{"role": "user", "content": text}])
-    return engine.generate(GenerationRequest(tuple(ids), max_new_tokens=max_new_tokens))
-
-
-def verifier_stats() -> dict:
-    from ray import serve
-
-    return serve.get_deployment_handle("verifier", app_name="draftmesh").stats.remote().result(timeout_s=10)
-
-
-def wait_idle(timeout_s: float = 5.0) -> dict:
-    deadline = time.monotonic() + timeout_s
-    while True:
-        stats = verifier_stats()
-        if stats["active"] == 0 or time.monotonic() > deadline:
-            return stats
-        time.sleep(0.1)
 
 
 # ---------------------------------------------------------------------------- outputs
@@ -396,14 +275,14 @@ def test_cancelled_stream_stops_the_verifier(stub):
 
 
 def test_concurrent_clients_get_correct_outputs_and_excess_is_refused(stub, engine):
-    prompts = [f"Count from {i} to {i + 6}, separated by commas." for i in range(8)]
+    prompts = [f"Count from {i} to {i + 6}, separated by commas." for i in range(MAX_IN_FLIGHT)]
     want = {p: list(in_process(engine, p, 24).token_ids) for p in prompts}
-    with ThreadPoolExecutor(8) as pool:
+    with ThreadPoolExecutor(MAX_IN_FLIGHT) as pool:
         got = list(pool.map(lambda p: stub.Complete(chat(p, 24), metadata=AUTH, timeout=300), prompts))
     for p, g in zip(prompts, got):
         assert list(g.token_ids) == want[p], p
 
-    # Beyond max_in_flight (8): refused at once with RESOURCE_EXHAUSTED, never queued without bound.
+    # Beyond max_in_flight: refused at once with RESOURCE_EXHAUSTED, never queued without bound.
     codes = []
     lock = threading.Lock()
 
@@ -420,7 +299,7 @@ def test_concurrent_clients_get_correct_outputs_and_excess_is_refused(stub, engi
         list(pool.map(one, range(14)))
     assert codes.count(grpc.StatusCode.RESOURCE_EXHAUSTED) >= 1, codes
     assert set(codes) <= {grpc.StatusCode.OK, grpc.StatusCode.RESOURCE_EXHAUSTED}, codes
-    assert codes.count(grpc.StatusCode.OK) >= 8
+    assert codes.count(grpc.StatusCode.OK) >= MAX_IN_FLIGHT
     assert wait_idle()["active"] == 0
 
 
@@ -549,26 +428,6 @@ def test_one_request_is_one_trace_across_router_verifier_sources_and_factcheck(s
     assert any(parent(parent(s)) is output for s in annotate)
 
 
-def scrape(address: str) -> dict[str, float]:
-    """Prometheus text -> {series: value}, series as written (name{labels})."""
-    import urllib.request
-
-    body = urllib.request.urlopen(f"http://{address}/metrics", timeout=10).read().decode()
-    out = {}
-    for line in body.splitlines():
-        if line and not line.startswith("#"):
-            series, _, value = line.rpartition(" ")
-            out[series] = float(value)
-    return out
-
-
-def total(metrics: dict[str, float], name: str, **labels: str) -> float:
-    """Sum of a metric's series whose labels include ``labels``."""
-    want = [f'{k}="{v}"' for k, v in labels.items()]
-    return sum(v for series, v in metrics.items()
-               if series.split("{", 1)[0] == name and all(w in series for w in want))
-
-
 def test_metrics_endpoint_counts_requests_steps_and_sources(mesh, stub):
     assert mesh.metrics_address
     before = scrape(mesh.metrics_address)
@@ -607,7 +466,8 @@ def test_the_container_health_check_passes_against_the_real_mesh(mesh):
     assert not missing.healthy and "not-deployed" in missing.message
 
 
-# ---------------------------------------------------------------------------- losing a replica (keep last)
+# ---------------------------------------------------------------------------- losing a replica (after the others)
+@pytest.mark.breaks_mesh
 def test_a_lost_verifier_replica_fails_its_request_cleanly_and_the_session_is_recomputed(stub, engine):
     import ray
 
@@ -632,7 +492,8 @@ def test_a_lost_verifier_replica_fails_its_request_cleanly_and_the_session_is_re
     assert again.replica != first.replica
 
 
-# ---------------------------------------------------------------------------- losing Redis (keep very last)
+# ---------------------------------------------------------------------------- losing Redis (the very last)
+@pytest.mark.breaks_mesh
 def test_without_redis_generation_goes_on_and_annotations_say_unavailable(mesh, stub, engine):
     mesh.redis.stop()
     text = "Name three primary colours."
