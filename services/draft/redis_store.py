@@ -4,11 +4,12 @@ Same contract and bounds as ``InMemoryAnswerStore`` (LRU over answers and sessio
 a TTL on every key and a key prefix so several deployments can share one Redis.
 Keys under ``prefix``:
 
-- ``e:<prompt hash>``: hash {out: int32 token ids, sig: uint32 MinHash signature}
-- ``b:<band key>``: set of prompt hashes whose signature has that LSH band
-- ``lru`` / ``sessions``: sorted sets of prompt hashes / session ids scored by ``clock``,
-  a counter, so eviction order is global across replicas
-- ``s:<session id>``: list of packed turns, oldest first
+- ``e:<tenant>/<prompt hash>``: hash {out: int32 token ids, sig: uint32 MinHash signature}
+- ``b:<tenant>/<band key>``: set of ``<tenant>/<prompt hash>`` whose signature has that LSH band
+- ``lru`` / ``sessions``: sorted sets of ``<tenant>/<prompt hash>`` / session ids scored by
+  ``clock``, a counter, so eviction order is global across replicas and tenants
+- ``s:<session id>``: list of packed turns, oldest first (the router scopes session ids as
+  ``<tenant>/<id>``)
 
 Eviction and TTL refreshes are best-effort across concurrent writers: a stale band
 member or LRU entry costs a wasted lookup, never a wrong answer.
@@ -23,7 +24,7 @@ from typing import Any, Sequence
 import numpy as np
 import redis
 
-from draftmesh.draft.history import MinHasher, NearAnswer, Turn, prompt_key
+from draftmesh.draft.history import DEFAULT_TENANT, MinHasher, NearAnswer, Turn, prompt_key, tenant_band, tenant_key
 
 
 def _pack_ids(ids: Sequence[int]) -> bytes:
@@ -84,19 +85,21 @@ class RedisAnswerStore:
         return int(self.client.zcard(self._key(b"lru")))
 
     def put(
-        self, prompt_ids: Sequence[int], output_ids: Sequence[int], session_id: str | None = None
+        self, prompt_ids: Sequence[int], output_ids: Sequence[int], session_id: str | None = None,
+        *, tenant: str = DEFAULT_TENANT, answer: bool = True,
     ) -> None:
-        key = prompt_key(prompt_ids)
+        key = tenant_key(tenant, prompt_key(prompt_ids))
         signature = self.hasher.signature(prompt_ids)
         tick = self.client.incr(self._key(b"clock"))
         entry, lru = self._key(b"e:", key), self._key(b"lru")
         pipe = self.client.pipeline(transaction=True)
-        pipe.hset(entry, mapping={b"out": _pack_ids(output_ids), b"sig": signature.tobytes()})
-        bands = [self._key(b"b:", band) for band in self.hasher.band_keys(signature)]
-        for band in bands:
-            pipe.sadd(band, key)
-        pipe.zadd(lru, {key: tick})
-        self._expire(pipe, entry, lru, self._key(b"clock"), *bands)
+        if answer:
+            pipe.hset(entry, mapping={b"out": _pack_ids(output_ids), b"sig": signature.tobytes()})
+            bands = [self._key(b"b:", tenant_band(tenant, band)) for band in self.hasher.band_keys(signature)]
+            for band in bands:
+                pipe.sadd(band, key)
+            pipe.zadd(lru, {key: tick})
+            self._expire(pipe, entry, lru, self._key(b"clock"), *bands)
         if session_id is not None:
             turns, sessions = self._key(b"s:", session_id), self._key(b"sessions")
             pipe.rpush(turns, _pack_turn(prompt_ids, output_ids))
@@ -121,13 +124,14 @@ class RedisAnswerStore:
         pipe = self.client.pipeline(transaction=False)
         for key, sig in zip(keys, signatures.execute(), strict=True):
             pipe.delete(self._key(b"e:", key))
+            tenant = key.split(b"/", 1)[0].decode()
             if sig is not None:
                 for band in self.hasher.band_keys(np.frombuffer(sig, dtype=np.uint32)):
-                    pipe.srem(self._key(b"b:", band), key)
+                    pipe.srem(self._key(b"b:", tenant_band(tenant, band)), key)
         pipe.execute()
 
-    def get_exact(self, prompt_ids: Sequence[int]) -> tuple[int, ...] | None:
-        key = prompt_key(prompt_ids)
+    def get_exact(self, prompt_ids: Sequence[int], *, tenant: str = DEFAULT_TENANT) -> tuple[int, ...] | None:
+        key = tenant_key(tenant, prompt_key(prompt_ids))
         entry = self._key(b"e:", key)
         out, sig = self.client.hmget(entry, [b"out", b"sig"])
         if out is None:
@@ -136,16 +140,16 @@ class RedisAnswerStore:
         pipe = self.client.pipeline(transaction=False)
         pipe.zadd(self._key(b"lru"), {key: tick})
         signature = np.frombuffer(sig, dtype=np.uint32)
-        bands = [self._key(b"b:", band) for band in self.hasher.band_keys(signature)]
+        bands = [self._key(b"b:", tenant_band(tenant, band)) for band in self.hasher.band_keys(signature)]
         self._expire(pipe, entry, self._key(b"lru"), self._key(b"clock"), *bands)
         pipe.execute()
         return _unpack_ids(out)
 
-    def near(self, prompt_ids: Sequence[int], limit: int = 4) -> list[NearAnswer]:
+    def near(self, prompt_ids: Sequence[int], limit: int = 4, *, tenant: str = DEFAULT_TENANT) -> list[NearAnswer]:
         signature = self.hasher.signature(prompt_ids)
         pipe = self.client.pipeline(transaction=False)
         for band in self.hasher.band_keys(signature):
-            pipe.smembers(self._key(b"b:", band))
+            pipe.smembers(self._key(b"b:", tenant_band(tenant, band)))
         hits = Counter(key for members in pipe.execute() for key in members)
         keys = [key for key, _ in hits.most_common(self.max_candidates)]
         for key in keys:
