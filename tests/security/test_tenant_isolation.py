@@ -115,6 +115,16 @@ def test_a_session_id_reaches_only_its_own_tenants_kv_and_turns(stub):
     assert a2.usage.cached_prompt_tokens > 0, "alice's own session KV must still be found"
 
 
+MOSTLY, LITTLE = 0.6, 0.35
+"""Shares of a request's tokens that were drafted and accepted: drafting a stored answer of the
+same prompt gives nearly all (MOSTLY is far below it); the prompt alone gives few (LITTLE is
+far above it for these questions, whose answers copy little of the prompt)."""
+
+
+def share(result: pb.GenerateResult) -> float:
+    return drafted(result) / max(1, result.usage.completion_tokens)
+
+
 def test_answers_are_per_tenant_shared_only_with_exact_requests_of_named_tenants(stub, store):
     question = chat("Write two sentences about a lighthouse keeper who collects lost buttons.")
     before = answer_keys(store, "alice")
@@ -122,21 +132,23 @@ def test_answers_are_per_tenant_shared_only_with_exact_requests_of_named_tenants
     assert len(answer_keys(store, "alice") - before) == 1, "alice's exact answer is stored under alice"
     again = complete(stub, "alice", question)  # her own answer is drafted back
     assert list(again.token_ids) == list(first.token_ids)
-    assert drafted(again) >= 0.6 * again.usage.completion_tokens, (drafted(again), again.usage)
+    assert share(again) >= MOSTLY, (drafted(again), again.usage)
 
     bob = complete(stub, "bob", question)  # same question, another tenant: no answer to draft
     assert list(bob.token_ids) == list(first.token_ids)  # exact: the target's own text
-    assert drafted(bob) < drafted(again) / 2, (drafted(bob), drafted(again))
+    assert share(bob) <= LITTLE, (drafted(bob), bob.usage)
 
     carol = complete(stub, "carol", question)  # alice shares with carol
-    assert drafted(carol) >= 0.6 * carol.usage.completion_tokens, (drafted(carol), carol.usage)
+    assert share(carol) >= MOSTLY, (drafted(carol), carol.usage)
 
-    lossy = chat(question.messages[0].content, speculation=LENIENT)
-    carol_lossy = complete(stub, "carol", lossy)  # a lossy request never drafts another tenant's answers
-    assert not carol_lossy.lossless
-    assert drafted(carol_lossy) < drafted(carol) / 2, (drafted(carol_lossy), drafted(carol))
-    bob_lossy = complete(stub, "bob", lossy)
-    assert drafted(bob_lossy) < drafted(again) / 2
+    # a question only alice answered: lossy requests never draft another tenant's answers,
+    # shared or not, under the most lenient policy
+    other = "Describe, in two sentences, a bakery that only opens during thunderstorms."
+    complete(stub, "alice", chat(other))
+    for tenant in ("carol", "bob"):
+        lossy = complete(stub, tenant, chat(other, speculation=LENIENT))
+        assert not lossy.lossless
+        assert share(lossy) <= LITTLE, (tenant, drafted(lossy), lossy.usage)
 
 
 def test_lossy_outputs_are_never_stored(stub, store):
