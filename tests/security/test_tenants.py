@@ -232,3 +232,78 @@ def test_zero_is_unlimited():
     adm, _ = admission()
     for _ in range(100):
         adm.admit("default", 10_000)
+
+
+# ---------------------------------------------------------------------- the router's one place
+class _Verifier:
+    """Records what the router sends (test double of the verifier handle; the mesh test runs the real one)."""
+
+    def __init__(self) -> None:
+        self.sent: list[ServeRequest] = []
+        self.model_ids: list[str] = []
+
+    def options(self, stream: bool, multiplexed_model_id: str):
+        self.model_ids.append(multiplexed_model_id)
+        return self
+
+    @property
+    def generate(self):
+        return self
+
+    def remote(self, req):
+        self.sent.append(req)
+        return _Stream()
+
+
+class _Stream:
+    def __aiter__(self):
+        return self
+
+    async def __anext__(self):
+        raise StopAsyncIteration
+
+    def cancel(self) -> None:
+        pass
+
+
+def test_the_router_scopes_ids_once_admits_by_quota_and_counts_per_tenant(monkeypatch):
+    import asyncio
+
+    import grpc
+
+    from draftmesh.metrics import MemoryMetrics
+    from draftmesh.router import ingress
+    from draftmesh.router.errors import RpcError
+    from draftmesh.router.telemetry import RpcCall
+    from draftmesh.v1 import generation_pb2 as pb
+
+    metrics = MemoryMetrics()
+    monkeypatch.setattr(ingress, "RayMetrics", lambda: metrics)
+    cfg = DraftmeshConfig.from_dict({"factcheck": {"enabled": False}, "serve": {"tenants": {
+        "alice": {"keys": ["k-alice"], "max_in_flight": 1}, "bob": {"keys": ["k-bob"], "share_answers_with": ["alice"]}}}})
+    verifier = _Verifier()
+    wrapped = ingress.Router.func_or_class  # Serve's ASGI wrapper of the class (its __init__ is async)
+    router = object.__new__(wrapped)
+    wrapped.__mro__[1].__init__(router, cfg.to_dict(), verifier)  # the router's own __init__, no ASGI app
+    request = pb.GenerateRequest(prompt="hi", max_new_tokens=4, request_id="r-1", session_id="s-1")
+    call = RpcCall("Generate", bearer("k-alice"), router.metrics)
+    req = router._admit(request, bearer("k-alice"), call)
+    assert (req.request_id, req.session_id, req.tenant, req.reads_answers_of) == ("r-1", "s-1", "alice", ("bob",))
+    with pytest.raises(RpcError) as err:
+        router._admit(request, bearer("k-alice"), RpcCall("Generate", bearer("k-alice"), router.metrics))
+    assert err.value.code == grpc.StatusCode.RESOURCE_EXHAUSTED and "serve.tenants.alice.max_in_flight" in err.value.details
+    assert metrics.value("draftmesh_tenant_rejections", tenant="alice", quota="max_in_flight") == 1
+
+    async def run() -> None:
+        with pytest.raises(RpcError):  # the double answers nothing
+            await router._result(req, call)
+
+    asyncio.run(run())
+    assert [(s.request_id, s.session_id) for s in verifier.sent] == [("alice/r-1", "alice/s-1")]
+    assert verifier.model_ids == ["alice/s-1"]
+    router._release(call)
+    assert router.admission.in_flight("alice") == 0
+    bob = router._admit(request, bearer("k-bob"), RpcCall("Generate", bearer("k-bob"), router.metrics))
+    assert (bob.tenant, bob.reads_answers_of) == ("bob", ())
+    assert metrics.value("draftmesh_tenant_requests", tenant="alice") == 1
+    assert metrics.value("draftmesh_tenant_requests", tenant="bob") == 1
