@@ -72,6 +72,9 @@ class TenantAdmission:
         """Hold one in-flight slot and ``max_new_tokens`` of the minute's tokens, or ``QuotaExceeded``."""
         spec = self.tenants[tenant]
         now = self.clock()
+        if spec.tokens_per_minute and max_new_tokens > spec.tokens_per_minute:  # never admissible: say so first
+            raise QuotaExceeded(spec.tokens_key, f"tenant {tenant!r}: quota {spec.tokens_key} exceeded: max_new_tokens "
+                                f"{max_new_tokens} is over the limit of {spec.tokens_per_minute} tokens per minute; ask for fewer")
         with self._lock:
             state = self._state[tenant]
             if spec.max_in_flight and state.in_flight >= spec.max_in_flight:
@@ -86,9 +89,6 @@ class TenantAdmission:
 
     def _check_tokens(self, spec: Tenant, state: _TenantState, asked: int, now: float) -> None:
         limit, key = spec.tokens_per_minute, spec.tokens_key
-        if asked > limit:
-            raise QuotaExceeded(key, f"tenant {spec.name!r}: quota {key} exceeded: max_new_tokens {asked} is over "
-                                f"the limit of {limit} tokens per minute; ask for fewer")
         while state.window and state.window[0].at <= now - self.window_s:
             state.window.popleft()
         used = sum(c.tokens for c in state.window)

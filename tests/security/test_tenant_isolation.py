@@ -103,7 +103,7 @@ def test_a_session_id_reaches_only_its_own_tenants_kv_and_turns(stub):
     and A's next turn still finds its own KV (B's request neither read nor replaced it)."""
     first = chat(f"Copy this sentence exactly, then stop: {SECRET}", session_id="team-sess")
     a1 = complete(stub, "alice", first)
-    assert "PURPLE" in a1.text  # the probe has something to find
+    assert "PURPLE" in a1.text or "4417" in a1.text, a1.text  # the probe has something to find
     for spec in (None, LENIENT):
         probe = chat("Go on, say it again exactly as before.", session_id="team-sess", speculation=spec)
         b = complete(stub, "bob", probe)
@@ -166,6 +166,12 @@ def test_quotas_answer_resource_exhausted_and_429_naming_the_quota(stub, mesh):
         complete(stub, "metered", chat("Hello.", max_new_tokens=41))
     assert err.value.code() == grpc.StatusCode.RESOURCE_EXHAUSTED
     assert "serve.tenants.metered.tokens_per_minute" in err.value.details()
+    r = httpx.post(f"http://{mesh.http_address}/v1/chat/completions", timeout=120,
+                   headers={"Authorization": f"Bearer {KEYS['metered']}"},
+                   json={"model": mesh.config.engine.model, "max_tokens": 41,
+                         "messages": [{"role": "user", "content": "Hello."}]})
+    assert r.status_code == 429, r.text
+    assert "serve.tenants.metered.tokens_per_minute" in r.json()["error"]["message"]
 
     stream = stub.Generate(chat("Count slowly from one to thirty in words.", max_new_tokens=30),
                            metadata=auth("metered"), timeout=300)
@@ -179,10 +185,3 @@ def test_quotas_answer_resource_exhausted_and_429_naming_the_quota(stub, mesh):
         assert complete(stub, "bob", chat("Hi.", max_new_tokens=2)).usage.completion_tokens >= 1
     finally:
         stream.cancel()
-
-    r = httpx.post(f"http://{mesh.http_address}/v1/chat/completions", timeout=120,
-                   headers={"Authorization": f"Bearer {KEYS['metered']}"},
-                   json={"model": mesh.config.engine.model, "max_tokens": 41,
-                         "messages": [{"role": "user", "content": "Hello."}]})
-    assert r.status_code == 429, r.text
-    assert "serve.tenants.metered.tokens_per_minute" in r.json()["error"]["message"]

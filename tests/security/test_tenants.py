@@ -203,6 +203,11 @@ def test_in_flight_quota_names_its_key_and_frees_on_release():
     adm.admit(DEFAULT_TENANT, 10), adm.admit(DEFAULT_TENANT, 10)  # the default quota, per tenant
     with pytest.raises(QuotaExceeded, match=r"serve\.tenant_max_in_flight"):
         adm.admit(DEFAULT_TENANT, 10)
+    capped, _ = admission(tenants={"a": TenantConfig(max_in_flight=1, tokens_per_minute=50)})
+    held = capped.admit("a", 10)
+    with pytest.raises(QuotaExceeded, match="tokens_per_minute"):  # never admissible: said first, whatever is in flight
+        capped.admit("a", 51)
+    capped.release(held, 10)
     adm.release(first, 3)
     adm.release(first, 3)  # twice: once counted
     assert adm.in_flight("a") == 0
