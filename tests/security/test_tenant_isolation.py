@@ -99,15 +99,17 @@ def answer_keys(store, tenant: str) -> set[bytes]:
 
 
 def test_a_session_id_reaches_only_its_own_tenants_kv_and_turns(stub):
-    """B names A's session id: no cached prompt tokens (A's KV), none of A's text, exact or lenient,
-    and A's next turn still finds its own KV (B's request neither read nor replaced it)."""
+    """B (exact) and C (the most lenient lossy policy) name A's session id: no cached prompt tokens
+    (A's KV), none of A's text, and A's next turn still finds its own KV (their requests neither
+    read nor replaced it). C is the tenant A shares answers with: sessions are never shared."""
     first = chat(f"Copy this sentence exactly, then stop: {SECRET}", session_id="team-sess")
     a1 = complete(stub, "alice", first)
     assert "PURPLE" in a1.text or "4417" in a1.text, a1.text  # the probe has something to find
-    for spec in (None, LENIENT):
+    # each probe is its tenant's first request in that session (a second would find its own KV)
+    for tenant, spec in (("bob", None), ("carol", LENIENT)):
         probe = chat("Go on, say it again exactly as before.", session_id="team-sess", speculation=spec)
-        b = complete(stub, "bob", probe)
-        assert b.usage.cached_prompt_tokens == 0, f"bob reused {b.usage.cached_prompt_tokens} tokens of alice's KV"
+        b = complete(stub, tenant, probe)
+        assert b.usage.cached_prompt_tokens == 0, f"{tenant} reused {b.usage.cached_prompt_tokens} tokens of alice's KV"
         assert "PURPLE" not in b.text and "4417" not in b.text
         assert b.lossless is (spec is None)
     a2 = complete(stub, "alice", chat(first.messages[0].content, a1.text, "Thanks. Now say it once more.",
