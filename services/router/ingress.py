@@ -4,8 +4,8 @@ and its HTTP proxy (the OpenAI-compatible API, ``http_face``): one deployment, o
 Per request, whichever face it came in by, it authenticates (which names the caller's tenant),
 validates every field, admits or refuses (a bounded number in flight, never an unbounded queue,
 and the tenant's quotas, ``admission``), scopes the request's ids by tenant (``tenancy``), then
-makes ONE streaming call to the verifier pool and relays its steps. A client that cancels or runs out of deadline cancels that call, and
-the verifier stops before its next step.
+makes ONE streaming call to the verifier pool and relays its steps. A client that cancels or
+runs out of deadline cancels that call, and the verifier stops before its next step.
 """
 
 from __future__ import annotations
@@ -23,6 +23,7 @@ from ray import serve
 from ray.serve.grpc_util import RayServegRPCContext
 
 from draftmesh import tracing
+from draftmesh.auth import Unauthenticated
 from draftmesh.config import DraftmeshConfig
 from draftmesh.draft import registry
 from draftmesh.factcheck.client import FactCheckBusy, FactCheckClient, FactCheckNotFound, FactCheckUnavailable
@@ -30,7 +31,6 @@ from draftmesh.factcheck.protocol import annotation_id_for_text
 from draftmesh.io_struct import Rejected, ServedResult, ServeRequest, StepEvent
 from draftmesh.metrics import RayMetrics
 from draftmesh.router.admission import QuotaExceeded, TenantAdmission
-from draftmesh.auth import Unauthenticated
 from draftmesh.router.auth import ApiKeyAuth
 from draftmesh.router.errors import RpcError
 from draftmesh.router.http_face import HttpFace, http_app
