@@ -175,8 +175,10 @@ def test_quotas_answer_resource_exhausted_and_429_naming_the_quota(stub, mesh):
     assert r.status_code == 429, r.text
     assert "serve.tenants.metered.tokens_per_minute" in r.json()["error"]["message"]
 
-    stream = stub.Generate(chat("Count slowly from one to thirty in words.", max_new_tokens=30),
-                           metadata=auth("metered"), timeout=300)
+    # plain decoding, one token a step: it is still running when the next call comes
+    held = chat("Count from one to one hundred in words, separated by commas.", max_new_tokens=38,
+                speculation=pb.Speculation(enabled=False))
+    stream = stub.Generate(held, metadata=auth("metered"), timeout=300)
     try:
         next(stream)  # admitted and running
         with pytest.raises(grpc.RpcError) as err:
