@@ -144,13 +144,17 @@ def test_answers_are_per_tenant_shared_only_with_exact_requests_of_named_tenants
     assert share(carol) >= MOSTLY, (drafted(carol), carol.usage)
 
     # a question only alice answered: lossy requests never draft another tenant's answers,
-    # shared or not, under the most lenient policy
+    # shared or not, under the most lenient policy. The yardstick is alice's own lossy request,
+    # which may draft her answer; theirs draft from their own prompt only (a lenient policy
+    # accepts more of that than exact does, so an absolute share says little here).
     other = "Describe, in two sentences, a bakery that only opens during thunderstorms."
     complete(stub, "alice", chat(other))
+    own = complete(stub, "alice", chat(other, speculation=LENIENT))
+    assert not own.lossless and share(own) >= MOSTLY, (drafted(own), own.usage)
     for tenant in ("carol", "bob"):
         lossy = complete(stub, tenant, chat(other, speculation=LENIENT))
         assert not lossy.lossless
-        assert share(lossy) <= LITTLE, (tenant, drafted(lossy), lossy.usage)
+        assert share(lossy) <= share(own) - 0.15, (tenant, drafted(lossy), lossy.usage, drafted(own), own.usage)
 
 
 def test_lossy_outputs_are_never_stored(stub, store):
