@@ -285,6 +285,40 @@ class LimitsConfig:
                              f"limits.max_new_tokens_cap ({self.max_new_tokens_cap})")
 
 
+DEFAULT_TENANT = "default"
+"""The tenant of bare keys (a key file line without a name, ``serve.api_keys``) and of every
+request when auth is off."""
+TENANT_NAME_CHARS = frozenset("abcdefghijklmnopqrstuvwxyzABCDEFGHIJKLMNOPQRSTUVWXYZ0123456789_.-")
+
+
+def check_tenant_name(name: Any, where: str) -> str:
+    """A tenant name: 1-64 of [A-Za-z0-9_.-]. No '/', so ``<tenant>/<id>`` splits one way only."""
+    if not isinstance(name, str) or not 1 <= len(name) <= 64 or not set(name) <= TENANT_NAME_CHARS:
+        raise ValueError(f"{where}: tenant name {name!r} must be 1-64 characters of A-Z a-z 0-9 _ . -")
+    return name
+
+
+@dataclass(frozen=True)
+class TenantConfig:
+    """One tenant: its bearer keys, quotas and whom it shares its answer store with."""
+
+    SECTION: ClassVar[str] = "serve.tenants.<name>"
+
+    keys: list[str] | None = option(None, help="bearer keys of this tenant (more may come from the key file's "
+                                               "'<tenant> <key>' lines)")
+    max_in_flight: int | None = option(None, min=0, help="requests in flight at once (default: serve.tenant_max_in_flight; "
+                                                         "0: unlimited)")
+    tokens_per_minute: int | None = option(
+        None, min=0, help="generated tokens per sliding minute (default: serve.tenant_tokens_per_minute; 0: unlimited)")
+    share_answers_with: list[str] = option(
+        default_factory=list, help="tenants whose exact (lossless) requests may draft from this tenant's answer store")
+
+    def __post_init__(self) -> None:
+        check_fields(self)
+        for other in self.share_answers_with:
+            check_tenant_name(other, f"{self.SECTION}.share_answers_with")
+
+
 @dataclass(frozen=True)
 class ServeConfig:
     """The served mesh (``draftmesh serve``, the Helm chart): ports, replicas, auth, TLS, Redis."""
@@ -321,6 +355,16 @@ class ServeConfig:
     api_keys_file: str | None = option(
         None, help="a file of bearer tokens, one per line (e.g. a mounted Kubernetes Secret), added to api_keys"
     )
+    tenants: dict[str, TenantConfig] = option(
+        default_factory=dict,
+        help="tenants by name: {keys: [...], max_in_flight, tokens_per_minute, share_answers_with: [names]}; "
+             "sessions, session KV, answers, document indexes and output annotations are scoped by tenant "
+             "(config file only)",
+    )
+    tenant_max_in_flight: int = option(0, min=0, help="default per-tenant requests in flight (0: unlimited)")
+    tenant_tokens_per_minute: int = option(
+        0, min=0, help="default per-tenant generated tokens per sliding minute, max_new_tokens counted at admission "
+                       "and corrected to the tokens generated (0: unlimited)")
     tls_cert: str | None = option(None, help="PEM certificate for the gRPC port (with --tls-key)")
     tls_key: str | None = option(None, help="PEM private key for the gRPC port")
     redis_url: str | None = option(
@@ -341,6 +385,8 @@ class ServeConfig:
         check_fields(self)
         if (self.tls_cert is None) != (self.tls_key is None):
             raise ValueError("serve.tls_cert and serve.tls_key must be given together")
+        for name in self.tenants:
+            check_tenant_name(name, "serve.tenants")
 
 
 @dataclass(frozen=True)

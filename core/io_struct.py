@@ -161,6 +161,10 @@ class GenerationRequest:
     request_id: str = ""
     session_id: str | None = None
     documents: tuple[str, ...] = ()
+    tenant: str = "default"
+    """Whose answer store the request reads and writes (its ids are already scoped by the router)."""
+    reads_answers_of: tuple[str, ...] = ()
+    """Other tenants sharing their answers with this one (used by exact requests only)."""
 
 
 @dataclass(frozen=True)
@@ -182,13 +186,17 @@ class ServeRequest:
     factcheck_options: FactCheckOptions = FactCheckOptions()
     trace_context: Mapping[str, str] = field(default_factory=dict)
     """W3C trace headers of the router's span (Ray carries no trace context across a handle call)."""
+    tenant: str = "default"
+    """The caller's tenant; ``request_id`` and ``session_id`` are ``<tenant>/<id>`` (``draftmesh.tenancy``)."""
+    reads_answers_of: tuple[str, ...] = ()
 
     def to_generation(self, prompt_ids: tuple[int, ...]) -> GenerationRequest:
         """The decode loop's request, once the replica has tokenized the prompt."""
         return GenerationRequest(
             prompt_ids=tuple(prompt_ids), max_new_tokens=self.max_new_tokens, sampling=self.sampling,
             stop=self.stop, speculation=self.speculation, request_id=self.request_id,
-            session_id=self.session_id, documents=self.documents,
+            session_id=self.session_id, documents=self.documents, tenant=self.tenant,
+            reads_answers_of=self.reads_answers_of,
         )
 
     def with_trace_context(self, carrier: Mapping[str, str]) -> "ServeRequest":

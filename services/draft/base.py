@@ -32,6 +32,14 @@ class DraftContext:
     options: Mapping[str, Any] = field(default_factory=dict)
     prepared: Mapping[str, Any] = field(default_factory=dict)
     """Source name -> what its ``prepare`` returned for this request (``PreparingSource``)."""
+    tenant: str = "default"
+    """Whose answers a source stores this request's output under (``draftmesh.tenancy``)."""
+    answer_tenants: tuple[str, ...] = ("default",)
+    """Whose stored answers the request may draft from: its own tenant first, then those sharing
+    with it, these only for a lossless request (a lossy one never drafts another tenant's data)."""
+    store_answer: bool = True
+    """False for a lossy request: its output is not the target's, so it never becomes an answer
+    others draft from (it still joins its own session's turns)."""
 
     @property
     def generated_ids(self) -> Sequence[int]:

@@ -9,7 +9,10 @@ Three kinds of knowledge, merged into one list of proposals:
   near-duplicate (MinHash), so a repeated question drafts its previous answer.
 
 Answers live behind ``AnswerStore`` so replicas can share them (``redis_store``); this
-module also has the bounded in-memory store. Near-duplicates use MinHash over token
+module also has the bounded in-memory store. Answers are kept per tenant (``ctx.tenant``): a
+request reads the answers of ``ctx.answer_tenants`` only (its own, plus those sharing with it
+when it is lossless) and a lossy request stores no answer (``ctx.store_answer``), so no
+tenant drafts another's text unless that one opted in, and nobody drafts lossy output. Near-duplicates use MinHash over token
 bigrams of the prompt tail with LSH banding, implemented on numpy rather than with
 ``datasketch``: on SmolLM2 token ids numpy signs a 2k-token prompt in ~1.9 ms against
 ~4.2 ms for ``datasketch`` (which hashes every shingle through SHA-1 as bytes), it needs
@@ -29,6 +32,7 @@ from typing import Any, Protocol, Sequence
 
 import numpy as np
 
+from draftmesh.config import DEFAULT_TENANT
 from draftmesh.draft.base import DraftContext, Proposal
 from draftmesh.draft.suffix import Branch, SuffixIndex
 
@@ -47,6 +51,17 @@ def _mix64(x: np.ndarray) -> np.ndarray:
 def prompt_key(prompt_ids: Sequence[int]) -> str:
     """Stable content hash of a prompt's token ids: the exact-match key of every store."""
     return hashlib.blake2b(np.asarray(prompt_ids, dtype="<i4").tobytes(), digest_size=16).hexdigest()
+
+
+
+def tenant_key(tenant: str, key: str) -> str:
+    """An answer's key in its tenant's namespace (tenant names hold no '/')."""
+    return f"{tenant}/{key}"
+
+
+def tenant_band(tenant: str, band: bytes) -> bytes:
+    """An LSH band key in its tenant's namespace: near-duplicates never match across tenants."""
+    return tenant.encode() + b"/" + band
 
 
 class MinHasher:
@@ -134,13 +149,16 @@ class AnswerStore(Protocol):
     """
 
     def put(
-        self, prompt_ids: Sequence[int], output_ids: Sequence[int], session_id: str | None = None
-    ) -> None: ...
+        self, prompt_ids: Sequence[int], output_ids: Sequence[int], session_id: str | None = None,
+        *, tenant: str = DEFAULT_TENANT, answer: bool = True,
+    ) -> None:
+        """Remember an answer under ``tenant`` (unless ``answer`` is False) and the session's turn."""
+        ...
 
-    def get_exact(self, prompt_ids: Sequence[int]) -> tuple[int, ...] | None: ...
+    def get_exact(self, prompt_ids: Sequence[int], *, tenant: str = DEFAULT_TENANT) -> tuple[int, ...] | None: ...
 
-    def near(self, prompt_ids: Sequence[int], limit: int = 4) -> list[NearAnswer]:
-        """Answers to prompts with similarity >= the store's ``min_similarity``, best first."""
+    def near(self, prompt_ids: Sequence[int], limit: int = 4, *, tenant: str = DEFAULT_TENANT) -> list[NearAnswer]:
+        """``tenant``'s answers to prompts with similarity >= the store's ``min_similarity``, best first."""
         ...
 
     def session_turns(self, session_id: str) -> list[Turn]:
@@ -180,18 +198,21 @@ class InMemoryAnswerStore:
         return len(self._entries)
 
     def put(
-        self, prompt_ids: Sequence[int], output_ids: Sequence[int], session_id: str | None = None
+        self, prompt_ids: Sequence[int], output_ids: Sequence[int], session_id: str | None = None,
+        *, tenant: str = DEFAULT_TENANT, answer: bool = True,
     ) -> None:
-        key = prompt_key(prompt_ids)
+        key = tenant_key(tenant, prompt_key(prompt_ids))
         signature = self.hasher.signature(prompt_ids)
-        entry = _Entry(tuple(output_ids), signature, self.hasher.band_keys(signature))
+        bands = [tenant_band(tenant, b) for b in self.hasher.band_keys(signature)]
+        entry = _Entry(tuple(output_ids), signature, bands)
         with self._lock:
-            self._drop(key)
-            self._entries[key] = entry
-            for band in entry.bands:
-                self._buckets.setdefault(band, set()).add(key)
-            while len(self._entries) > self.max_entries:
-                self._drop(next(iter(self._entries)))
+            if answer:
+                self._drop(key)
+                self._entries[key] = entry
+                for band in entry.bands:
+                    self._buckets.setdefault(band, set()).add(key)
+                while len(self._entries) > self.max_entries:
+                    self._drop(next(iter(self._entries)))
             if session_id is not None:
                 turns = self._sessions.pop(session_id, None) or deque(maxlen=self.max_turns)
                 turns.append(Turn(tuple(prompt_ids), tuple(output_ids)))
@@ -209,8 +230,8 @@ class InMemoryAnswerStore:
             if not bucket:
                 del self._buckets[band]
 
-    def get_exact(self, prompt_ids: Sequence[int]) -> tuple[int, ...] | None:
-        key = prompt_key(prompt_ids)
+    def get_exact(self, prompt_ids: Sequence[int], *, tenant: str = DEFAULT_TENANT) -> tuple[int, ...] | None:
+        key = tenant_key(tenant, prompt_key(prompt_ids))
         with self._lock:
             entry = self._entries.get(key)
             if entry is None:
@@ -218,10 +239,10 @@ class InMemoryAnswerStore:
             self._entries.move_to_end(key)
             return entry.output_ids
 
-    def near(self, prompt_ids: Sequence[int], limit: int = 4) -> list[NearAnswer]:
+    def near(self, prompt_ids: Sequence[int], limit: int = 4, *, tenant: str = DEFAULT_TENANT) -> list[NearAnswer]:
         signature = self.hasher.signature(prompt_ids)
         with self._lock:
-            bands = self.hasher.band_keys(signature)
+            bands = [tenant_band(tenant, b) for b in self.hasher.band_keys(signature)]
             hits = Counter(key for band in bands for key in self._buckets.get(band, ()))
             candidates = [self._entries[key] for key, _ in hits.most_common(self.max_candidates)]
         found = [NearAnswer(self.hasher.similarity(signature, e.signature), e.output_ids) for e in candidates]
@@ -430,7 +451,8 @@ class HistorySource:
         """Remember the finished request (``output_text`` is unused: everything is token ids)."""
         self.forget(_request_key(ctx))
         if output_ids:
-            self.store.put(ctx.token_ids[: ctx.prompt_len], output_ids, ctx.session_id)
+            self.store.put(ctx.token_ids[: ctx.prompt_len], output_ids, ctx.session_id,
+                           tenant=ctx.tenant, answer=ctx.store_answer)
 
     def forget(self, request_id: str) -> None:
         """The request ended: drop its state (a short lock, never held across a lookup)."""
@@ -477,12 +499,13 @@ class HistorySource:
                 for turn in turns:
                     session.extend(turn.prompt_ids + turn.output_ids, new_segment=True)
         answers: dict[tuple[int, ...], float] = {}
-        exact = self.store.get_exact(prompt)
-        if exact:
-            answers[exact] = 1.0
-        for near in self.store.near(prompt, limit=self.max_near):
-            if near.output_ids and near.similarity > answers.get(near.output_ids, 0.0):
-                answers[near.output_ids] = near.similarity
+        for tenant in ctx.answer_tenants:  # own first; others only for a lossless request
+            exact = self.store.get_exact(prompt, tenant=tenant)
+            if exact:
+                answers[exact] = 1.0
+            for near in self.store.near(prompt, limit=self.max_near, tenant=tenant):
+                if near.output_ids and near.similarity > answers.get(near.output_ids, 0.0):
+                    answers[near.output_ids] = near.similarity
         tracks = [_AnswerTrack(a, w, self.min_ngram, self.max_ngram) for a, w in answers.items()]
         return _RequestState(ctx.prompt_len, SuffixIndex(ctx.token_ids, **ngrams), session, tracks)
 

@@ -15,13 +15,14 @@ from draftmesh.draft.history import HistorySource, NearAnswer, Turn
 class NullAnswerStore:
     """An AnswerStore that forgets everything: no session or answer recall."""
 
-    def put(self, prompt_ids: Sequence[int], output_ids: Sequence[int], session_id: str | None = None) -> None:
+    def put(self, prompt_ids: Sequence[int], output_ids: Sequence[int], session_id: str | None = None,
+            **_: Any) -> None:
         return None
 
-    def get_exact(self, prompt_ids: Sequence[int]) -> tuple[int, ...] | None:
+    def get_exact(self, prompt_ids: Sequence[int], **_: Any) -> tuple[int, ...] | None:
         return None
 
-    def near(self, prompt_ids: Sequence[int], limit: int = 4) -> list[NearAnswer]:
+    def near(self, prompt_ids: Sequence[int], limit: int = 4, **_: Any) -> list[NearAnswer]:
         return []
 
     def session_turns(self, session_id: str) -> list[Turn]:

@@ -4,11 +4,12 @@ Same contract and bounds as ``InMemoryAnswerStore`` (LRU over answers and sessio
 a TTL on every key and a key prefix so several deployments can share one Redis.
 Keys under ``prefix``:
 
-- ``e:<prompt hash>``: hash {out: int32 token ids, sig: uint32 MinHash signature}
-- ``b:<band key>``: set of prompt hashes whose signature has that LSH band
-- ``lru`` / ``sessions``: sorted sets of prompt hashes / session ids scored by ``clock``,
-  a counter, so eviction order is global across replicas
-- ``s:<session id>``: list of packed turns, oldest first
+- ``e:<tenant>/<prompt hash>``: hash {out: int32 token ids, sig: uint32 MinHash signature}
+- ``b:<tenant>/<band key>``: set of ``<tenant>/<prompt hash>`` whose signature has that LSH band
+- ``lru`` / ``sessions``: sorted sets of ``<tenant>/<prompt hash>`` / session ids scored by
+  ``clock``, a counter, so eviction order is global across replicas and tenants
+- ``s:<session id>``: list of packed turns, oldest first (the router scopes session ids as
+  ``<tenant>/<id>``)
 - ``bytes``: what the answers and turns take (``max_bytes`` bounds it): each entry's payload,
   key and band memberships (its ``sz`` field), plus each kept turn's packed length
 
@@ -32,7 +33,7 @@ from typing import Any, Sequence
 import numpy as np
 import redis
 
-from draftmesh.draft.history import MinHasher, NearAnswer, Turn, prompt_key
+from draftmesh.draft.history import DEFAULT_TENANT, MinHasher, NearAnswer, Turn, prompt_key, tenant_band, tenant_key
 
 
 def _pack_ids(ids: Sequence[int]) -> bytes:
@@ -97,23 +98,25 @@ class RedisAnswerStore:
         return int(self.client.zcard(self._key(b"lru")))
 
     def put(
-        self, prompt_ids: Sequence[int], output_ids: Sequence[int], session_id: str | None = None
+        self, prompt_ids: Sequence[int], output_ids: Sequence[int], session_id: str | None = None,
+        *, tenant: str = DEFAULT_TENANT, answer: bool = True,
     ) -> None:
-        key = prompt_key(prompt_ids)
+        key = tenant_key(tenant, prompt_key(prompt_ids))
         signature = self.hasher.signature(prompt_ids)
         tick = self.client.incr(self._key(b"clock"))
         entry, lru, total = self._key(b"e:", key), self._key(b"lru"), self._key(b"bytes")
-        out, sig = _pack_ids(output_ids), signature.tobytes()
-        bands = [self._key(b"b:", band) for band in self.hasher.band_keys(signature)]
-        size = len(out) + len(sig) + len(entry) + len(key) * (len(bands) + 1)
         pipe = self.client.pipeline(transaction=True)
-        pipe.hget(entry, b"sz")
-        pipe.hset(entry, mapping={b"out": out, b"sig": sig, b"sz": size})
-        for band in bands:
-            pipe.sadd(band, key)
-        pipe.zadd(lru, {key: tick})
-        pipe.incrby(total, size)
-        self._expire(pipe, entry, lru, self._key(b"clock"), total, *bands)
+        if answer:  # a lossy request's output joins its session's turns but is never an answer
+            out, sig = _pack_ids(output_ids), signature.tobytes()
+            bands = [self._key(b"b:", tenant_band(tenant, band)) for band in self.hasher.band_keys(signature)]
+            size = len(out) + len(sig) + len(entry) + len(key) * (len(bands) + 1)
+            pipe.hget(entry, b"sz")
+            pipe.hset(entry, mapping={b"out": out, b"sig": sig, b"sz": size})
+            for band in bands:
+                pipe.sadd(band, key)
+            pipe.zadd(lru, {key: tick})
+            pipe.incrby(total, size)
+            self._expire(pipe, entry, lru, self._key(b"clock"), total, *bands)
         if session_id is not None:
             turns, sessions = self._key(b"s:", session_id), self._key(b"sessions")
             turn = _pack_turn(prompt_ids, output_ids)
@@ -125,7 +128,7 @@ class RedisAnswerStore:
         pipe.zcard(lru)
         pipe.zcard(self._key(b"sessions"))
         results = pipe.execute()
-        old_size, n_entries, n_sessions = results[0], results[-2], results[-1]
+        old_size, n_entries, n_sessions = (results[0] if answer else None), results[-2], results[-1]
         freed = int(old_size) if old_size is not None else 0  # an answer replaced: its old size goes
         if session_id is not None:
             n_turns = results[rpush_at]
@@ -185,15 +188,16 @@ class RedisAnswerStore:
         for key, (sig, size) in zip(keys, signatures.execute(), strict=True):
             freed += int(size) if size is not None else 0
             pipe.delete(self._key(b"e:", key))
+            tenant = key.split(b"/", 1)[0].decode()
             if sig is not None:
                 for band in self.hasher.band_keys(np.frombuffer(sig, dtype=np.uint32)):
-                    pipe.srem(self._key(b"b:", band), key)
+                    pipe.srem(self._key(b"b:", tenant_band(tenant, band)), key)
         if freed:
             pipe.decrby(self._key(b"bytes"), freed)
         pipe.execute()
 
-    def get_exact(self, prompt_ids: Sequence[int]) -> tuple[int, ...] | None:
-        key = prompt_key(prompt_ids)
+    def get_exact(self, prompt_ids: Sequence[int], *, tenant: str = DEFAULT_TENANT) -> tuple[int, ...] | None:
+        key = tenant_key(tenant, prompt_key(prompt_ids))
         entry = self._key(b"e:", key)
         out, sig = self.client.hmget(entry, [b"out", b"sig"])
         if out is None:
@@ -202,16 +206,16 @@ class RedisAnswerStore:
         pipe = self.client.pipeline(transaction=False)
         pipe.zadd(self._key(b"lru"), {key: tick})
         signature = np.frombuffer(sig, dtype=np.uint32)
-        bands = [self._key(b"b:", band) for band in self.hasher.band_keys(signature)]
+        bands = [self._key(b"b:", tenant_band(tenant, band)) for band in self.hasher.band_keys(signature)]
         self._expire(pipe, entry, self._key(b"lru"), self._key(b"clock"), *bands)
         pipe.execute()
         return _unpack_ids(out)
 
-    def near(self, prompt_ids: Sequence[int], limit: int = 4) -> list[NearAnswer]:
+    def near(self, prompt_ids: Sequence[int], limit: int = 4, *, tenant: str = DEFAULT_TENANT) -> list[NearAnswer]:
         signature = self.hasher.signature(prompt_ids)
         pipe = self.client.pipeline(transaction=False)
         for band in self.hasher.band_keys(signature):
-            pipe.smembers(self._key(b"b:", band))
+            pipe.smembers(self._key(b"b:", tenant_band(tenant, band)))
         hits = Counter(key for members in pipe.execute() for key in members)
         keys = [key for key, _ in hits.most_common(self.max_candidates)]
         for key in keys:

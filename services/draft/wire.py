@@ -10,6 +10,7 @@ from __future__ import annotations
 
 from typing import Sequence
 
+from draftmesh.config import DEFAULT_TENANT
 from draftmesh.draft.base import MAX_PROPOSALS_PER_SOURCE, TEXT_CHARS_PER_NODE, DraftContext, Proposal, bounded
 from draftmesh.io_struct import MAX_TREE_NODES
 from draftmesh.v1 import draft_source_pb2 as pb
@@ -30,9 +31,17 @@ def context_to_proto(ctx: DraftContext, tokenizer: str = "") -> pb.ProposeReques
     )
 
 
+def tenant_of(request_id: str) -> str:
+    """The tenant a scoped request id (``<tenant>/<id>``, made by the router) belongs to."""
+    return request_id.split("/", 1)[0] if "/" in request_id else DEFAULT_TENANT
+
+
 def context_from_proto(req: pb.ProposeRequest) -> DraftContext:
+    """A remote source's context. The wire carries no policy, so a remote source drafts from
+    its request's own tenant's answers only (never shared ones) and stores none."""
     if req.prompt_len > len(req.token_ids):
         raise ValueError(f"prompt_len {req.prompt_len} exceeds the {len(req.token_ids)} token ids")
+    tenant = tenant_of(req.request_id)
     return DraftContext(
         token_ids=tuple(req.token_ids),
         prompt_len=req.prompt_len,
@@ -42,6 +51,9 @@ def context_from_proto(req: pb.ProposeRequest) -> DraftContext:
         request_id=req.request_id,
         size_hint=req.size_hint or 16,
         options={"temperature": req.temperature},
+        tenant=tenant,
+        answer_tenants=(tenant,),
+        store_answer=False,
     )
 
 

@@ -188,7 +188,7 @@ class HttpFace:
         admitted = streaming = False
         try:
             self._start_lag_watch()
-            self._authenticate(headers)
+            tenant = self._authenticate(headers)
             deadline = request_deadline(request.headers, time.monotonic())
             raw = await read_body(request, self.limits.max_body_bytes)
             try:
@@ -198,7 +198,7 @@ class HttpFace:
             except InvalidField as exc:
                 raise RpcError(grpc.StatusCode.INVALID_ARGUMENT, str(exc), exc.field) from None
             req = self._admit(face.request, headers, call, request_id=request.headers.get(REQUEST_ID_HEADER),
-                              authenticated=True)
+                              tenant=tenant)
             admitted = True
             created = int(time.time())
             reply_headers: dict[str, str] = {}  # (Serve's proxy answers x-request-id itself)
@@ -230,7 +230,7 @@ class HttpFace:
         finally:
             if not streaming:  # else the stream owns the admission and the call
                 if admitted:
-                    self._release()
+                    self._release(call)
                 call.end()
 
     async def _http_stream(self, face: oa.Face, req: ServeRequest, call: HttpCall, created: int, first,
@@ -269,5 +269,5 @@ class HttpFace:
             raise
         finally:
             await events.aclose()  # cancels the verifier call if it is still running
-            self._release()
+            self._release(call)
             call.end()

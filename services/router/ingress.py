@@ -1,15 +1,17 @@
 """The router: the Ray Serve ingress behind Serve's gRPC proxy (service draftmesh.v1.Generation)
 and its HTTP proxy (the OpenAI-compatible API, ``http_face``): one deployment, one code path.
 
-Per request, whichever face it came in by, it authenticates, validates every field, admits or refuses (a bounded number
-in flight, never an unbounded queue), then makes ONE streaming call to the verifier pool
-and relays its steps. A client that cancels or runs out of deadline cancels that call, and
-the verifier stops before its next step.
+Per request, whichever face it came in by, it authenticates (which names the caller's tenant),
+validates every field, admits or refuses (a bounded number in flight, never an unbounded queue,
+and the tenant's quotas, ``admission``), scopes the request's ids by tenant (``tenancy``), then
+makes ONE streaming call to the verifier pool and relays its steps. A client that cancels or
+runs out of deadline cancels that call, and the verifier stops before its next step.
 """
 
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import logging
 import re
 import time
@@ -21,18 +23,21 @@ from ray import serve
 from ray.serve.grpc_util import RayServegRPCContext
 
 from draftmesh import tracing
+from draftmesh.auth import Unauthenticated
 from draftmesh.config import DraftmeshConfig
 from draftmesh.draft import registry
 from draftmesh.factcheck.client import FactCheckBusy, FactCheckClient, FactCheckNotFound, FactCheckUnavailable
 from draftmesh.factcheck.protocol import annotation_id_for_text
 from draftmesh.io_struct import Rejected, ServedResult, ServeRequest, StepEvent
 from draftmesh.metrics import RayMetrics
+from draftmesh.router.admission import QuotaExceeded, TenantAdmission
 from draftmesh.router.auth import ApiKeyAuth
 from draftmesh.router.errors import RpcError, internal_error
 from draftmesh.router.http_face import HttpFace, http_app
 from draftmesh.router.responses import report_to_proto, result_to_proto, step_to_proto
 from draftmesh.router.telemetry import RouterMetrics, RpcCall
 from draftmesh.router.validation import InvalidRequest, parse_factcheck, parse_request
+from draftmesh.tenancy import Tenants, scoped_request
 from draftmesh.v1 import generation_pb2 as pb
 from draftmesh.verify.policy import available_policies
 
@@ -56,6 +61,8 @@ class Router(HttpFace):
         self.verifier = verifier
         self.limits = cfg.limits
         self.auth = ApiKeyAuth.from_config(cfg.serve)
+        self.tenants = Tenants(cfg.serve, self.auth.tenants)
+        self.admission = TenantAdmission(self.tenants)
         self.sources = mesh_source_names(cfg)
         self.policies = available_policies()
         self.in_flight = 0
@@ -80,7 +87,7 @@ class Router(HttpFace):
                         call.result(event)
                         yield pb.GenerateResponse(result=result_to_proto(event, req.request_id))
             finally:
-                self._release()
+                self._release(call)
 
     async def Complete(self, request: pb.GenerateRequest, grpc_context: RayServegRPCContext) -> pb.GenerateResult:
         with self._call("Complete", grpc_context) as call, _status_on(grpc_context):
@@ -88,7 +95,7 @@ class Router(HttpFace):
             try:
                 return result_to_proto(await self._result(req, call), req.request_id)
             finally:
-                self._release()
+                self._release(call)
 
     async def FactCheck(self, request: pb.FactCheckRequest, grpc_context: RayServegRPCContext) -> pb.FactCheckReport:
         """Check a text now (through the workers), or fetch an earlier output's annotations by id."""
@@ -130,11 +137,12 @@ class Router(HttpFace):
         return found
 
     # ------------------------------------------------------------------ steps of a request (both faces)
-    def _authenticate(self, metadata: Iterable[tuple[str, Any]] | None) -> None:
-        """``metadata``: gRPC invocation metadata or HTTP headers, (name, value) pairs."""
-        reason = self.auth.check(metadata)
-        if reason is not None:
-            raise RpcError(grpc.StatusCode.UNAUTHENTICATED, reason)
+    def _authenticate(self, metadata: Iterable[tuple[str, Any]] | None) -> str:
+        """The caller's tenant. ``metadata``: gRPC invocation metadata or HTTP headers, (name, value) pairs."""
+        try:
+            return self.auth.identify(metadata)
+        except Unauthenticated as exc:
+            raise RpcError(grpc.StatusCode.UNAUTHENTICATED, str(exc)) from None
 
     def _call(self, method: str, ctx: RayServegRPCContext) -> RpcCall:
         self._start_lag_watch()
@@ -145,11 +153,12 @@ class Router(HttpFace):
             self._lag_watch = asyncio.get_running_loop().create_task(self._watch_factcheck_lag())
 
     def _admit(self, request: pb.GenerateRequest, metadata: Iterable[tuple[str, Any]] | None, call: RpcCall,
-               request_id: str | None = None, authenticated: bool = False) -> ServeRequest:
-        """Authenticate (unless done), validate, admit: the ServeRequest to run (call ``_release`` when it ends).
-        ``request_id``: the server's id for it (the HTTP face's x-request-id), used when the request has none."""
-        if not authenticated:
-            self._authenticate(metadata)
+               request_id: str | None = None, tenant: str | None = None) -> ServeRequest:
+        """Authenticate (unless ``tenant`` says who it is), validate, admit: the ServeRequest to run (call
+        ``_release`` when it ends). ``request_id``: the server's id for it (the HTTP face's x-request-id), used
+        when the request has none. Its ids are still the client's; ``_events`` scopes them."""
+        if tenant is None:
+            tenant = self._authenticate(metadata)
         try:
             req = parse_request(request, self.limits, sources=self.sources, policies=self.policies, request_id=request_id)
         except InvalidRequest as exc:
@@ -157,14 +166,24 @@ class Router(HttpFace):
         if self.in_flight >= self.cfg.serve.max_in_flight:
             raise RpcError(grpc.StatusCode.RESOURCE_EXHAUSTED,
                            f"server busy: {self.in_flight} requests in flight (limit {self.cfg.serve.max_in_flight}); retry later")
+        try:
+            call.ticket = self.admission.admit(tenant, req.max_new_tokens)
+        except QuotaExceeded as exc:
+            self.metrics.tenant_rejections.inc(1, {"tenant": tenant, "quota": exc.key.rsplit(".", 1)[-1]})
+            raise RpcError(grpc.StatusCode.RESOURCE_EXHAUSTED, str(exc)) from None
+        call.tenant = tenant
         self.in_flight += 1
         self.metrics.in_flight.set(self.in_flight)
+        self.metrics.tenant_requests.inc(1, {"tenant": tenant})
         call.admitted(req.request_id, req.speculation.policy)
+        req = dataclasses.replace(req, tenant=tenant, reads_answers_of=self.tenants[tenant].reads_answers_of)
         return req.with_trace_context(call.carrier())
 
-    def _release(self) -> None:
+    def _release(self, call: RpcCall) -> None:
         self.in_flight -= 1
         self.metrics.in_flight.set(self.in_flight)
+        if call.ticket is not None:
+            self.admission.release(call.ticket, call.generated)
 
     async def _watch_factcheck_lag(self, period_s: float = 5.0) -> None:
         """Keep the fact-check lag gauge fresh (the producers read it anyway, cached)."""
@@ -186,6 +205,7 @@ class Router(HttpFace):
 
     async def _events(self, req: ServeRequest):
         """The verifier's events (ONE streaming call); a replica lost before its first event is retried once."""
+        req = scoped_request(req)  # the one place ids enter the tenant's namespace
         for attempt in (1, 2):
             handle = self.verifier.options(stream=True, multiplexed_model_id=req.session_id or "")
             stream = handle.generate.remote(req)

@@ -41,6 +41,10 @@ class RouterMetrics:
         self.http_seconds = backend.histogram("draftmesh_http_request_seconds", "HTTP request duration, by endpoint",
                                               LATENCY_BUCKETS_S, ("endpoint",))
         self.in_flight = backend.gauge("draftmesh_router_in_flight", "requests admitted by this router replica and not finished", ())
+        self.tenant_requests = backend.counter("draftmesh_tenant_requests", "requests admitted, by tenant", ("tenant",))
+        self.tenant_tokens = backend.counter("draftmesh_tenant_tokens", "tokens generated, by tenant", ("tenant",))
+        self.tenant_rejections = backend.counter("draftmesh_tenant_rejections", "requests a tenant quota refused, by tenant "
+                                                 "and quota (max_in_flight, tokens_per_minute)", ("tenant", "quota"))
         self.factcheck_lag = backend.gauge("draftmesh_factcheck_lag", "span-stream entries the fact-check workers have not read", ())
 
 
@@ -54,6 +58,11 @@ class RpcCall:
         self.code = grpc.StatusCode.OK
         self.t0 = time.perf_counter()
         self.first_token_s: float | None = None
+        self.ticket: Any = None
+        """The admitted request's hold on its tenant's quotas (``admission.Ticket``)."""
+        self.tenant: str | None = None
+        self.generated: int | None = None
+        """Tokens of the result, once it came (corrects the tenant's token charge)."""
         self.span = self._start_span(metadata)
 
     def _start_span(self, metadata: Any):
@@ -90,6 +99,7 @@ class RpcCall:
 
     def result(self, served: ServedResult) -> None:
         result = served.result
+        self.generated = len(result.token_ids)
         self.step()
         if self.span.is_recording():
             self.span.set_attributes({
@@ -102,6 +112,8 @@ class RpcCall:
             tags = {"policy": result.policy}
             if result.token_ids:
                 self.metrics.tokens.inc(len(result.token_ids), tags)
+                if self.tenant is not None:
+                    self.metrics.tenant_tokens.inc(len(result.token_ids), {"tenant": self.tenant})
             if result.lenient_tokens:
                 self.metrics.lenient.inc(result.lenient_tokens, tags)
 

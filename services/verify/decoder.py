@@ -175,7 +175,7 @@ class SpeculativeDecoder:
                 event = scheduler.next_event(ticket)
                 if isinstance(event, GenerationResult):
                     # The answer stores' I/O runs here, on the caller's thread, never in a step.
-                    self._finish_sources(req, list(req.prompt_ids), list(event.token_ids), event.text)
+                    self._finish_sources(req, list(req.prompt_ids), list(event.token_ids), event.text, policy.lossless)
                     outcome = event.finish_reason
                     span.set_attributes({
                         "draftmesh.tokens": len(event.token_ids), "draftmesh.steps": len(event.steps),
@@ -222,7 +222,8 @@ class SpeculativeDecoder:
                      and (spec.sources is None or s.name in spec.sources)]
         if not preparing:
             return {}
-        ctx = self._context(req, list(req.prompt_ids), [], size_hint=0)
+        # the narrowest reading scope (own tenant only): preparing reads the request's own documents
+        ctx = self._context(req, list(req.prompt_ids), [], size_hint=0, lossless=False)
         out: dict[str, Any] = {}
         for source in preparing:
             try:
@@ -319,7 +320,7 @@ class SpeculativeDecoder:
         t0 = time.perf_counter()
         with trace.use_span(plan.span), self._tracer.start_as_current_span("draft"):
             plan.ctx = ctx = self._context(req, run.prompt, run.generated, size_hint=self.builder.max_nodes,
-                                           prepared=run.prepared)
+                                           lossless=run.policy.lossless, prepared=run.prepared)
             proposals, plan.proposed, failed = self._proposals(ctx, active, spec.source_caps)
             # The bonus token always comes on top, and positions must stay inside the context.
             max_depth = min(remaining - 1, self.target.max_context - cache_len - 2)
@@ -372,7 +373,8 @@ class SpeculativeDecoder:
             run.prefill_span = trace.INVALID_SPAN
 
     def _context(self, req: GenerationRequest, prompt: list[int], generated: list[int], size_hint: int,
-                 prepared: Mapping[str, Any] | None = None) -> DraftContext:
+                 lossless: bool, prepared: Mapping[str, Any] | None = None) -> DraftContext:
+        """``lossless``: the request's policy is; a lossy one drafts from its own tenant's answers only and stores none."""
         if req.speculation.max_nodes is not None:
             size_hint = min(size_hint, req.speculation.max_nodes)
         ids = tuple(prompt + generated)
@@ -387,6 +389,9 @@ class SpeculativeDecoder:
             size_hint=size_hint,
             options=self._options(req),
             prepared=prepared or {},
+            tenant=req.tenant,
+            answer_tenants=(req.tenant, *req.reads_answers_of) if lossless else (req.tenant,),
+            store_answer=lossless,
         )
 
     @staticmethod
@@ -451,11 +456,12 @@ class SpeculativeDecoder:
         dists = proposal.token_dists
         return dists is None or (dists.dim() == 2 and dists.shape[1] == vocab)
 
-    def _finish_sources(self, req: GenerationRequest, prompt: list[int], generated: list[int], text: str) -> None:
+    def _finish_sources(self, req: GenerationRequest, prompt: list[int], generated: list[int], text: str,
+                        lossless: bool) -> None:
         learners = [s for s in self.sources if isinstance(s, LearningSource)]
         if not learners:
             return
-        ctx = self._context(req, prompt, [], size_hint=0)
+        ctx = self._context(req, prompt, [], size_hint=0, lossless=lossless)
         for source in learners:
             try:
                 source.finish(ctx, list(generated), text)

@@ -22,7 +22,7 @@ CHART_OWNED = {
     "engine.model", "engine.device", "engine.dtype", "sources.names", "sources.options", "sources.remote",
     "serve.grpc_port", "serve.http_port", "serve.metrics_port", "serve.verifier_replicas", "serve.verifier_num_gpus",
     "serve.verifier_num_cpus", "serve.verifier_max_ongoing", "serve.router_replicas", "serve.max_in_flight",
-    "serve.redis_url", "serve.log_level", "serve.api_keys_file", "factcheck.enabled", "factcheck.workers",
+    "serve.redis_url", "serve.log_level", "serve.api_keys_file", "serve.tenants", "factcheck.enabled", "factcheck.workers",
 } | {f"factcheck.{leaf.name}" for leaf in leaves(FactCheckConfig)}  # the workers' options (factcheck.options)
 # Config fields that do not apply on Kubernetes (documented in values.yaml and helm/README.md).
 NOT_APPLICABLE = {"serve.address", "serve.api_keys", "serve.tls_cert", "serve.tls_key", "factcheck.python",
@@ -201,3 +201,34 @@ def test_every_values_key_is_documented():
             undocumented.append(f"{i + 1}: {line.strip()}")
     assert not undocumented, "undocumented keys:\n" + "\n".join(undocumented)
     assert len(stack) > 0
+
+
+def test_tenants_render_into_the_config_and_their_keys_into_the_secret(tmp_path):
+    """auth.tenants: quotas and sharing in serve.tenants (no key in the RayService), keys as
+    "<tenant> <key>" lines of the chart's Secret, which the router reads as those tenants."""
+    import base64
+
+    import yaml
+
+    from draftmesh.auth import ApiKeyAuth
+
+    values = {"auth": {"apiKeys": ["k-bare-1"], "tenants": {
+        "team-a": {"apiKeys": ["k-a-1", "k-a-2"], "maxInFlight": 2, "shareAnswersWith": ["team-b"]},
+        "team-b": {"apiKeys": ["k-b-1"], "tokensPerMinute": 1000}}},
+        "meshConfig": {"serve": {"tenant_tokens_per_minute": 5000}}}
+    files = chart().render(copy.deepcopy(values), name="t", namespace="ns", is_install=True)
+    docs = [d for path, text in files.items() if path.endswith(".yaml") for d in yaml.safe_load_all(text) if d]
+    (rs,) = [d for d in docs if d.get("kind") == "RayService"]
+    assert "k-a-1" not in yaml.safe_dump(rs)
+    (app,) = yaml.safe_load(rs["spec"]["serveConfigV2"])["applications"]
+    cfg = DraftmeshConfig.from_dict(app["args"])
+    assert cfg.serve.tenants["team-a"].max_in_flight == 2 and cfg.serve.tenants["team-a"].share_answers_with == ["team-b"]
+    assert cfg.serve.tenants["team-b"].tokens_per_minute == 1000 and cfg.serve.tenant_tokens_per_minute == 5000
+    (secret,) = [d for d in docs if d.get("kind") == "Secret" and "api-keys" in d["data"]]
+    keys = tmp_path / "keys"
+    keys.write_bytes(base64.b64decode(secret["data"]["api-keys"]))
+    auth = ApiKeyAuth.from_config(DraftmeshConfig.from_dict({"serve": {"api_keys_file": str(keys)}}).serve)
+    who = {k: auth.identify([("authorization", f"Bearer {k}")]) for k in ("k-bare-1", "k-a-1", "k-a-2", "k-b-1")}
+    assert who == {"k-bare-1": "default", "k-a-1": "team-a", "k-a-2": "team-a", "k-b-1": "team-b"}
+    assert "existingSecret or apiKeys" in install_error({"auth": {"existingSecret": "s", "tenants": {"x": {"apiKeys": ["k"]}}}})
+    assert install_error({"auth": {"tenants": {"a/b": {}}}}) != ""

@@ -116,9 +116,18 @@ ray-head,ray-worker-gpu,ray-worker-cpu
 {{- end -}}
 {{- end -}}
 
+{{/* Keys for a Secret the chart creates: auth.apiKeys or any tenant's apiKeys. */}}
+{{- define "draftmesh.chartKeys" -}}
+{{- $found := .Values.auth.apiKeys -}}
+{{- range $name, $tenant := .Values.auth.tenants -}}
+{{- if $tenant.apiKeys -}}{{- $found = true -}}{{- end -}}
+{{- end -}}
+{{- if $found -}}true{{- end -}}
+{{- end -}}
+
 {{/* Does the release authenticate (an existing Secret or keys to put into one)? */}}
 {{- define "draftmesh.authEnabled" -}}
-{{- if or .Values.auth.existingSecret .Values.auth.apiKeys -}}true{{- end -}}
+{{- if or .Values.auth.existingSecret (include "draftmesh.chartKeys" .) -}}true{{- end -}}
 {{- end -}}
 
 {{- define "draftmesh.authSecretName" -}}
@@ -216,8 +225,8 @@ template so that `helm install` fails with the message.
 {{- fail (printf "verifier.autoscaling.targetOngoingRequests (%v) is above verifier.maxOngoingRequests (%v): Serve would never scale up" $v.verifier.autoscaling.targetOngoingRequests $v.verifier.maxOngoingRequests) -}}
 {{- end -}}
 {{- end -}}
-{{- if and $v.auth.existingSecret $v.auth.apiKeys -}}
-{{- fail "auth: give either existingSecret or apiKeys, not both" -}}
+{{- if and $v.auth.existingSecret (include "draftmesh.chartKeys" .) -}}
+{{- fail "auth: give either existingSecret or apiKeys (auth.apiKeys, auth.tenants.*.apiKeys), not both" -}}
 {{- end -}}
 {{- if hasKey $v.factcheck.options "redis_url" -}}
 {{- fail "factcheck.options.redis_url: the Redis is set by redis.external.url or the in-chart Redis" -}}
@@ -251,6 +260,16 @@ sections and keys a `draftmesh serve --config` file would hold for the same sett
 -}}
 {{- if include "draftmesh.authEnabled" . -}}
 {{- $_ := set $serve "api_keys_file" (include "draftmesh.apiKeysFile" .) -}}
+{{- end -}}
+{{- if $v.auth.tenants -}}
+{{- $tenants := dict -}}
+{{- range $name, $t := $v.auth.tenants -}}
+{{- $entry := dict "share_answers_with" (default (list) $t.shareAnswersWith) -}}
+{{- if not (kindIs "invalid" $t.maxInFlight) -}}{{- $_ := set $entry "max_in_flight" $t.maxInFlight -}}{{- end -}}
+{{- if not (kindIs "invalid" $t.tokensPerMinute) -}}{{- $_ := set $entry "tokens_per_minute" $t.tokensPerMinute -}}{{- end -}}
+{{- $_ := set $tenants $name $entry -}}
+{{- end -}}
+{{- $_ := set $serve "tenants" $tenants -}}
 {{- end -}}
 {{- $factcheck := dict "enabled" $v.factcheck.enabled "workers" 0 -}}
 {{- range $key, $value := $v.factcheck.options -}}
@@ -356,9 +375,14 @@ sections and keys a `draftmesh serve --config` file would hold for the same sett
 {{- end }}
 {{- end -}}
 
-{{/* The Secret's content: the keys, one per line. */}}
+{{/* The Secret's content: the keys, one per line (a tenant's as "<tenant> <key>"). */}}
 {{- define "draftmesh.apiKeysData" -}}
-{{- printf "%s\n" (join "\n" .Values.auth.apiKeys) -}}
+{{- $lines := list -}}
+{{- range .Values.auth.apiKeys -}}{{- $lines = append $lines . -}}{{- end -}}
+{{- range $name, $t := .Values.auth.tenants -}}
+{{- range $t.apiKeys -}}{{- $lines = append $lines (printf "%s %s" $name .) -}}{{- end -}}
+{{- end -}}
+{{- printf "%s\n" (join "\n" $lines) -}}
 {{- end -}}
 
 {{/* The /etc/profile.d script putting the image's virtualenv first on PATH. */}}
@@ -371,7 +395,7 @@ esac
 
 {{/* Pod template annotations of the Ray pods: a change of keys or of the PATH script rolls them. */}}
 {{- define "draftmesh.rayPodAnnotations" -}}
-{{- if and .Values.auth.apiKeys (not .Values.auth.existingSecret) }}
+{{- if and (include "draftmesh.chartKeys" .) (not .Values.auth.existingSecret) }}
 checksum/api-keys: {{ include "draftmesh.apiKeysData" . | sha256sum }}
 {{- end }}
 {{- if .Values.rayService.loginShellPath }}
