@@ -205,6 +205,7 @@ class Router(HttpFace):
 
     async def _events(self, req: ServeRequest):
         """The verifier's events (ONE streaming call); a replica lost before its first event is retried once."""
+        client_id = req.request_id  # what the client knows its request by (errors name it)
         req = scoped_request(req)  # the one place ids enter the tenant's namespace
         for attempt in (1, 2):
             handle = self.verifier.options(stream=True, multiplexed_model_id=req.session_id or "")
@@ -225,7 +226,7 @@ class Router(HttpFace):
                 if not started and attempt == 1 and _is_replica_loss(exc):
                     log.warning("verifier replica lost before request %s started; retrying: %r", req.request_id, exc)
                     continue
-                raise internal_error(exc, req.request_id,
+                raise internal_error(exc, client_id,
                                      grpc.StatusCode.UNAVAILABLE if _is_replica_loss(exc) else grpc.StatusCode.INTERNAL)
             finally:
                 stream.cancel()

@@ -13,6 +13,7 @@ from types import SimpleNamespace
 import grpc
 import pytest
 
+from draftmesh.io_struct import ServeRequest
 from draftmesh.router import ingress
 from draftmesh.router.errors import RpcError, internal_error
 from draftmesh.router.http_face import HttpFace
@@ -83,7 +84,7 @@ class FailingVerifier:
 
 def test_a_verifier_failure_is_generic_with_the_request_id(caplog):
     router = SimpleNamespace(verifier=FailingVerifier(ValueError(SECRET)))
-    req = SimpleNamespace(request_id="req-42", session_id=None)
+    req = ServeRequest(request_id="req-42", prompt="x", tenant="alice")  # the client's id, not the scoped one
 
     async def run():
         async for _ in ingress.Router.func_or_class._events(router, req):
