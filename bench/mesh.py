@@ -29,6 +29,14 @@ class MeshError(RuntimeError):
     """The mesh could not be started or reached, refused a request, or answered inconsistently."""
 
 
+def answered(name: str, item_id: str, addr: str, exc: grpc.RpcError) -> MeshError:
+    """A gRPC failure of one item as the bench reports it (its method, the item, the mesh, the status)."""
+    code = exc.code() if hasattr(exc, "code") else None
+    details = exc.details() if hasattr(exc, "details") else str(exc)
+    return MeshError(f"{name}: item {item_id!r}: the mesh at {addr} answered "
+                     f"{code.name if code is not None else 'UNKNOWN'}: {details}")
+
+
 class MeshRunner:
     """One method through the served mesh: a streaming ``Generate`` per item (``draftmesh.client``).
 
@@ -53,6 +61,9 @@ class MeshRunner:
     """
 
     lossless = True
+
+    def error(self, item: PreparedItem, exc: grpc.RpcError) -> MeshError:
+        return answered(self.name, item.id, getattr(self.client, "addr", "?"), exc)
 
     def __init__(
         self,
@@ -114,12 +125,7 @@ class MeshRunner:
                     result = response.result
             seconds = time.perf_counter() - t0
         except grpc.RpcError as exc:
-            code = exc.code() if hasattr(exc, "code") else None
-            details = exc.details() if hasattr(exc, "details") else str(exc)
-            raise MeshError(
-                f"{self.name}: item {item.id!r}: the mesh at {getattr(self.client, 'addr', '?')} answered "
-                f"{code.name if code is not None else 'UNKNOWN'}: {details}"
-            ) from None
+            raise self.error(item, exc) from None
         except KeyboardInterrupt:
             if call is not None:
                 call.cancel()

@@ -11,6 +11,8 @@ from __future__ import annotations
 import dataclasses
 from typing import Any, Callable, Iterator
 
+import grpc
+
 from draftmesh.bench.items import PreparedItem
 from draftmesh.bench.mesh import MeshRunner
 from draftmesh.router.app import APP_NAME
@@ -32,12 +34,15 @@ class MeshLoad:
 
     def stream(self, item: PreparedItem) -> Iterator[tuple[str, Any]]:
         """("step", tokens of the step) per delta, then ("result", the output's token ids)."""
-        for response in self.runner.client.generate(self.runner.request(item), timeout_s=self.runner.timeout_s):
-            kind = response.WhichOneof("event")
-            if kind == "delta":
-                yield "step", len(response.delta.token_ids)
-            elif kind == "result":
-                yield "result", tuple(int(t) for t in response.result.token_ids)
+        try:
+            for response in self.runner.client.generate(self.runner.request(item), timeout_s=self.runner.timeout_s):
+                kind = response.WhichOneof("event")
+                if kind == "delta":
+                    yield "step", len(response.delta.token_ids)
+                elif kind == "result":
+                    yield "result", tuple(int(t) for t in response.result.token_ids)
+        except grpc.RpcError as exc:  # reported like the single-stream mode's (MeshError: exit 2, no traceback)
+            raise self.runner.error(item, exc) from None
 
     def batch_stats(self) -> dict[str, Any] | None:
         return self._batch_stats() if self._batch_stats is not None else None

@@ -75,7 +75,9 @@ def run(args: argparse.Namespace) -> int:
         items = load_workload(args.workload)
         # --concurrency names its own methods (concurrency_methods), checked where that mode runs
         methods = [] if opt("concurrency") else parse_methods(default_methods(target_kind, opt("methods")))
-        check_target(target_kind, methods, addr=opt("addr"), tls_ca=opt("tls_ca"))
+        # with --concurrency the mesh methods come with --target mesh: check the target against the defaults
+        check_target(target_kind, parse_methods(default_methods(target_kind, None)) if opt("concurrency") else methods,
+                     addr=opt("addr"), tls_ca=opt("tls_ca"))
         if (opt("api") or "grpc") != "grpc" and target_kind != "mesh":
             raise ValueError(f"--api {opt('api')} compares the faces of a mesh: add --target mesh")
         if opt("http_addr") and (opt("api") or "grpc") != "openai":

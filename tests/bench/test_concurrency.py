@@ -35,6 +35,26 @@ def test_concurrency_run_reports_every_level_and_method(tmp_path, capsys):
     assert out_png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
 
 
+def test_concurrency_usage_errors_are_clean(tmp_path, capsys):
+    """--target mesh needs no --methods with --concurrency (the mesh methods come with it); a mesh
+    that does not answer, or an unknown method, is an exit 2 naming it, not a traceback."""
+    from draftmesh.net import free_port
+
+    target = tiny_target("llama", vocab_size=64, dtype=__import__("torch").float32)
+    common = ["--workload", str(workload_file(tmp_path, n=2, max_new_tokens=4)), "--concurrency", "1",
+              "--repeats", "1", "--threads", "1", "--prefill-probe-tokens", "0", "--no-progress"]
+    dead = f"127.0.0.1:{free_port()}"
+    args = parse([*common, "--target", "mesh", "--addr", dead, "--api-key", "k"])
+    args.model = target
+    assert run(args) == 2
+    err = capsys.readouterr().err
+    assert f"the mesh at {dead} answered UNAVAILABLE" in err and "Traceback" not in err
+    args = parse([*common, "--methods", "plain,nope"])
+    args.model = target
+    assert run(args) == 2
+    assert "unknown nope" in capsys.readouterr().err
+
+
 @pytest.mark.slow
 def test_concurrency_through_the_mesh(mesh, tmp_path, capsys):
     """--target mesh: plain and draftmesh through the gRPC face of the session's mesh, plain-serial
