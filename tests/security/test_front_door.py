@@ -220,3 +220,35 @@ def test_start_up_refuses_an_upstream_reachable_from_the_network():
                 check_upstream_private(port, strict=False)  # an existing cluster: logged, not refused
             else:
                 check_upstream_private(port)
+
+
+@pytest.mark.parametrize("metadata, ok", [
+    ((), False),                                                              # missing
+    ((("authorization", f"Bearer {KEY}"), ("authorization", f"Bearer {KEY}")), False),  # duplicated
+    ((("authorization", f"Bearer {KEY}"), ("authorization", "Bearer other")), False),   # duplicated, differing
+    ((("authorization", f"bearer {KEY}"),), True),                            # lowercase scheme (RFC 7235)
+    ((("authorization", f"BEARER {KEY}"),), True),
+    ((("authorization", f"Bearer   {KEY}  "),), True),                        # extra spaces
+    ((("authorization", f"Basic {KEY}"),), False),                            # another scheme
+    ((("authorization", KEY),), False),                                       # no scheme
+    ((("authorization", f"Bearer {KEY.upper()}"),), False),                   # keys are case-sensitive
+])
+def test_auth_edge_cases_through_the_tls_gateway(upstream, metadata, ok):
+    """The issue's auth cases through the TLS gateway itself (a real TLS channel), not the checker alone:
+    only one well-formed bearer header with the exact key gets through, and nothing else reaches the upstream."""
+    from tls_certs import self_signed
+
+    address, servicer = upstream
+    cert, key = self_signed()
+    with TlsGateway(address, 0, cert, key, host="127.0.0.1", auth=ApiKeyAuth([KEY])).run_in_thread() as gw:
+        creds = grpc.ssl_channel_credentials(root_certificates=cert)
+        with grpc.secure_channel(f"localhost:{gw.port}", creds) as channel:
+            stub = pb_grpc.GenerationStub(channel)
+            try:
+                stub.Complete(pb.GenerateRequest(prompt="hi"), metadata=metadata, timeout=30)
+                code = grpc.StatusCode.OK
+            except grpc.RpcError as exc:
+                code = exc.code()
+                assert KEY not in (exc.details() or "")
+    assert code == (grpc.StatusCode.OK if ok else grpc.StatusCode.UNAUTHENTICATED)
+    assert len(servicer.requests) == (1 if ok else 0)
