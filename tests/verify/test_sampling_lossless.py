@@ -15,8 +15,8 @@ import pytest
 import torch
 from scipy.stats import chisquare
 from tiny_models import tiny_target
+from two_token_law import exact_law, logits_after
 
-from draftmesh.backend import KVState
 from draftmesh.io_struct import GenerationRequest, SamplingParams
 from draftmesh.sampling import sample, target_probs
 from draftmesh.tree import QDraw, TokenTree
@@ -35,21 +35,7 @@ def model():
 
 @pytest.fixture(scope="module")
 def logits_table(model):
-    """Target logits after the prompt (row 0) and after prompt + t for every t."""
-    state = KVState()
-    model.prefill(state, PROMPT[:-1])
-    root = model.step(state, PROMPT[-1])[0]
-    after = []
-    for t in range(VOCAB):
-        s = KVState()
-        model.prefill(s, PROMPT)
-        after.append(model.step(s, t)[0])
-    return root, torch.stack(after)
-
-
-def exact_law(root, after, params) -> torch.Tensor:
-    p1 = target_probs(root, params)
-    return torch.stack([p1[t] * target_probs(after[t], params) for t in range(VOCAB)])  # (V, V)
+    return logits_after(model, PROMPT, VOCAB)
 
 
 def random_dist(rng: random.Random) -> torch.Tensor:
