@@ -15,6 +15,7 @@ compaction a simple index operation on every layer alike.
 from __future__ import annotations
 
 import statistics
+import threading
 import time
 from dataclasses import dataclass, field
 from typing import Sequence
@@ -28,6 +29,17 @@ from draftmesh.small_linear import use_small_rows_linear
 from draftmesh.tree import TokenTree
 
 COST_CURVE_SIZES = (1, 2, 4, 8, 16, 32, 64)
+
+
+class ForwardInterrupted(Exception):
+    """A batched forward stopped between two decoder layers because its ``interrupt`` asked.
+
+    Nothing of it is kept: the rows' lengths are as before the call, and what the finished
+    layers wrote lies beyond them in the slab (the next forward overwrites it)."""
+
+    def __init__(self, layer: int) -> None:
+        super().__init__(f"forward interrupted before decoder layer {layer}")
+        self.layer = layer
 BATCH_COST_ROWS = (2, 4, 8, 16)
 BATCH_COST_TOKENS_PER_ROW = (1, 2, 4, 8)
 
@@ -73,6 +85,17 @@ class TorchTarget:
         self.step_seconds: float | None = None
         use_batched_attention(model)
         use_small_rows_linear(model)
+        self._interrupt: tuple[int, object] | None = None
+        """While a ``forward_batch`` with ``interrupt=`` runs: (its thread, the callable asked before each layer)."""
+        for i, layer in enumerate(getattr(model.get_decoder(), "layers", ())):
+            layer.register_forward_pre_hook(self._layer_hook(i))
+
+    def _layer_hook(self, index: int):
+        def before_layer(module, args):
+            ask = self._interrupt
+            if ask is not None and index > 0 and ask[0] == threading.get_ident() and ask[1]():
+                raise ForwardInterrupted(index)
+        return before_layer
 
     @classmethod
     def load(cls, spec: str, *, device: str = "cpu", dtype: torch.dtype | None = None) -> "TorchTarget":
@@ -149,19 +172,26 @@ class TorchTarget:
         return SlotKVCache.for_model(self.model, max_bytes=max_bytes)
 
     @torch.inference_mode()
-    def forward_batch(self, kv: SlotKVCache, inputs: Sequence[RowInput]) -> list[torch.Tensor]:
+    def forward_batch(self, kv: SlotKVCache, inputs: Sequence[RowInput], interrupt=None) -> list[torch.Tensor]:
         """One forward over every row's new tokens; logits (fp32) per row for its tokens from
         ``logits_from`` on (an empty tensor for a pure prefill chunk). Every token is appended to
         its row; ``kv.commit`` then keeps the accepted ones.
 
         ``lm_head`` runs only where logits are needed: a prefill chunk's positions never reach it.
+        ``interrupt``, a callable, is asked before each decoder layer after the first; when it
+        answers true the forward stops there with ``ForwardInterrupted`` and appends nothing (the
+        scheduler's way not to make a newcomer wait for a whole prefill chunk).
         """
         view = kv.view(inputs, self.sliding_window or None)
         dummy = torch.zeros((1, 1, 1, 1), dtype=torch.bool, device=self.device)  # masks are the view's
         mask = {"full_attention": dummy, "sliding_attention": dummy} if self._mask_by_layer_type else dummy
-        hidden = self.model.get_decoder()(
-            input_ids=view.input_ids, position_ids=view.position_ids, attention_mask=mask, cache=view, use_cache=True
-        ).last_hidden_state[0]
+        self._interrupt = (threading.get_ident(), interrupt) if interrupt is not None else None
+        try:
+            hidden = self.model.get_decoder()(
+                input_ids=view.input_ids, position_ids=view.position_ids, attention_mask=mask, cache=view, use_cache=True
+            ).last_hidden_state[0]
+        finally:
+            self._interrupt = None
         view.advance()
         logits = self.model.get_output_embeddings()(hidden.index_select(0, view.logit_index))
         cap = getattr(self.config, "final_logit_softcapping", None)

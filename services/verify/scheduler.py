@@ -30,7 +30,7 @@ from typing import Any
 
 from opentelemetry import trace
 
-from draftmesh.backend import KVState
+from draftmesh.backend import ForwardInterrupted, KVState
 from draftmesh.batch_kv import SlotKVCache
 from draftmesh.io_struct import GenerationRequest, GenerationResult, StepEvent
 from draftmesh.verify.request_run import RequestRun, StepPlan
@@ -67,6 +67,8 @@ class Ticket:
     cancelled: bool = False
     enqueued_at: float = field(default_factory=time.perf_counter)
     admitted_at: float | None = None
+    interrupted: bool = False
+    """Its last prefill chunk's forward was interrupted for a newcomer: the next one runs through."""
 
 
 @dataclass
@@ -79,6 +81,8 @@ class SchedulerStats:
     finished: int = 0
     cancelled: int = 0
     refused: int = 0
+    interrupted: int = 0
+    """Prefill-only forwards stopped between layers so that a newcomer's first token need not wait."""
     wait_s_total: float = 0.0
     max_rows_seen: int = 0
 
@@ -190,10 +194,13 @@ class BatchScheduler:
         reserve = min(8, left - 1) if oldest is not None and order[0] is not oldest else 0
         left -= reserve
         busy = bool(decoding)
+        first_token_due = False
         for t in order:
             run = t.run
             if t is oldest:
                 left, reserve = left + reserve, 0
+            if t.interrupted and first_token_due:
+                continue  # it was stopped for a newcomer: it sits out the newcomer's first step, once
             cap = limits.prefill_while_decoding if busy and run.to_prefill > limits.prefill_chunk else limits.prefill_chunk
             n = min(run.to_prefill, left, cap)
             if n <= 0:
@@ -202,6 +209,7 @@ class BatchScheduler:
             start = len(run.cached)
             finishes = n == run.to_prefill
             busy = busy or finishes
+            first_token_due = first_token_due or finishes
             run.plan = StepPlan(chunk=run.prompt[start : start + n], decode=finishes)
             base_tokens += n + (1 if finishes else 0)
             (to_draft if finishes else stepping).append(t)
@@ -232,9 +240,20 @@ class BatchScheduler:
         inputs = [t.run.row_input() for t in stepping]
         bases = [self.kv.lengths[t.run.row] for t in stepping]
         tokens = sum(len(i.tokens) for i in inputs)
+        # A forward of prefill chunks only (nobody's token is due in it) may stop between two layers
+        # when a short request arrives, so that the newcomer's first token does not wait for the whole
+        # chunk; a chunk is interrupted at most once, so a long prompt still advances.
+        interruptible = all(not t.run.plan.decode and not t.interrupted for t in stepping)
         t0, t0_ns = time.perf_counter(), time.time_ns()
         try:
-            logits = decoder.target.forward_batch(self.kv, inputs)
+            logits = decoder.target.forward_batch(self.kv, inputs, interrupt=self._newcomer_ready if interruptible else None)
+        except ForwardInterrupted:
+            for t, base in zip(stepping, bases):
+                self.kv.lengths[t.run.row] = base
+                t.run.plan = None
+                t.interrupted = True
+            self.stats.interrupted += 1
+            return True
         except Exception as exc:  # the forward itself failed: every request in it fails, the replica goes on
             log.exception("batched forward over %d rows (%d tokens) failed", len(inputs), tokens)
             for t, base in zip(stepping, bases):
@@ -244,6 +263,7 @@ class BatchScheduler:
         verify_s = time.perf_counter() - t0
         speculating = sum(1 for t in stepping if t.run.plan is not None and len(t.run.plan.tree))
         for t, base, lg in zip(stepping, bases, logits):
+            t.interrupted = False
             run = t.run
             plan = run.plan
             try:
@@ -273,6 +293,19 @@ class BatchScheduler:
     def _row_tokens(self, req: GenerationRequest) -> int:
         """KV slots a request can need: prompt, output and one step's tree beyond it."""
         return len(req.prompt_ids) + req.max_new_tokens + self.decoder.builder.max_nodes + 2
+
+    def _newcomer_ready(self) -> bool:
+        """Whether the queue's head could join now and take its first token at the next step (its
+        prompt fits one chunk): what a prefill-only forward is interrupted for. Asked between layers."""
+        limits, kv = self.limits, self.kv
+        with self._lock:
+            if not self._waiting or len(self._active) >= limits.max_rows:
+                return False
+            req = self._waiting[0].run.req
+        if len(req.prompt_ids) - 1 > limits.prefill_chunk:
+            return False
+        need = max(kv.token_capacity, self._row_tokens(req))
+        return kv.bytes_for(kv.rows + 1, need) <= limits.kv_budget_bytes
 
     def _pool_bytes(self) -> int:
         pool = self.decoder.kv_pool

@@ -224,6 +224,49 @@ def test_a_long_prompt_is_prefilled_in_chunks_while_others_stream(tiny):
     assert short_t.events[-1].token_ids == reference_greedy(tiny, short, 8)
 
 
+def test_a_newcomer_interrupts_a_prefill_only_forward_between_layers(tiny):
+    """A short request arriving while a prefill chunk computes takes its first token in the very
+    next forward, alone: the chunk stops between two layers (once: the prompt's next chunk runs
+    through whatever arrives) and the prompt sits out that step. Outputs stay each request's own
+    batch-1 greedy."""
+    rng = random.Random(9)
+    long_prompt = random_prompt(rng, tiny.vocab_size, 120, 120)
+    shorts = [random_prompt(rng, tiny.vocab_size, 5, 5) for _ in range(2)]
+    decoder = SpeculativeDecoder(tiny, batch_limits=BatchLimits(prefill_chunk=32))
+    sched = decoder.scheduler
+    long_t = decoder.submit(GenerationRequest(long_prompt, max_new_tokens=4, request_id="long"))
+    sched.step()  # the first chunk
+    due: list[GenerationRequest] = []
+    arrivals: list = []
+
+    def arrive(module, args):  # a request comes in while layer 1 of the running forward computes
+        if due:
+            arrivals.append(decoder.submit(due.pop()))
+
+    hook = tiny.model.get_decoder().layers[1].register_forward_pre_hook(arrive)
+    try:
+        before = long_t.run.to_prefill
+        due.append(GenerationRequest(shorts[0], max_new_tokens=1, request_id="short0"))
+        sched.step()
+        assert arrivals and sched.stats.interrupted == 1
+        assert long_t.run.to_prefill == before and sched.kv.lengths[long_t.run.row] == len(long_t.run.cached)
+        tokens = sched.stats.forward_tokens
+        sched.step()  # the newcomer's first step: its prompt and root only
+        assert arrivals[0].events and sched.stats.forward_tokens - tokens == len(shorts[0])
+        assert long_t.run.to_prefill == before and arrivals[0].done
+        due.append(GenerationRequest(shorts[1], max_new_tokens=3, request_id="short1"))
+        sched.step()  # the prompt's next chunk runs through, though another newcomer came meanwhile
+        assert len(arrivals) == 2 and long_t.run.to_prefill == before - 32 and sched.stats.interrupted == 1
+        while not (long_t.done and all(t.done for t in arrivals)):
+            sched.step()
+    finally:
+        hook.remove()
+    assert long_t.events[-1].token_ids == reference_greedy(tiny, long_prompt, 4)
+    for short, t in zip(shorts, arrivals):
+        assert t.events[-1].token_ids == reference_greedy(tiny, short, len(t.events[-1].token_ids))
+    assert len(arrivals[1].events[-1].token_ids) == 3
+
+
 def test_the_kv_budget_queues_then_refuses(tiny):
     probe = tiny.new_batch_cache(1 << 30)
     small_need = 4 + 20 + CostAwareTreeBuilder({1: 1.0}).max_nodes + 2  # prompt, output, a step's tree
