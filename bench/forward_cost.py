@@ -1,6 +1,10 @@
 """``python -m draftmesh.bench.forward_cost [--model M] [--rounds N]``: the batched forward's cost
-table with ``small_rows_linear`` off and on, side by side in one run (interleaved rounds, medians),
-each relative to a batch-1 one-token step of its own round. The figures in docs/batching.md."""
+with the target's linears routed three ways, side by side in one run (interleaved rounds, medians):
+``off`` (``F.linear`` everywhere), ``2-6`` (the transposed product for 2-6 rows only, as until
+2026-12-03) and ``on`` (today's ``small_rows_linear``: 1 to ``MAX_ROWS`` rows). Each row of the
+table is a forward's time in ms and relative to the batch-1 one-token step of ``off``, so the
+figures show both the shape of the cost curve and what each routing does to the one-token step
+itself. The figures in docs/batching.md."""
 
 from __future__ import annotations
 
@@ -10,18 +14,23 @@ import statistics
 import torch
 from torch import nn
 
+from draftmesh import small_linear
 from draftmesh.backend import TorchTarget
 from draftmesh.small_linear import use_small_rows_linear
 
+ROUTINGS = {"off": None, "2-6": (False, 6), "on": (True, small_linear.MAX_ROWS)}
 
-def _set_small_rows(target: TorchTarget, on: bool) -> None:
-    if on:
-        use_small_rows_linear(target.model)
+
+def _route(target: TorchTarget, how: str) -> None:
+    setting = ROUTINGS[how]
+    if setting is None:
+        for m in target.model.modules():
+            if type(m) is nn.Linear:
+                m.__dict__.pop("forward", None)  # back to nn.Linear.forward (F.linear)
+                m._draftmesh_small_rows = False
         return
-    for m in target.model.modules():
-        if type(m) is nn.Linear:
-            m.__dict__.pop("forward", None)  # back to nn.Linear.forward (F.linear)
-            m._draftmesh_small_rows = False
+    small_linear.ONE_ROW, small_linear.MAX_ROWS = setting
+    use_small_rows_linear(target.model)
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -32,19 +41,32 @@ def main(argv: list[str] | None = None) -> int:
     args = parser.parse_args(argv)
     torch.set_num_threads(args.threads)
     target = TorchTarget.load(args.model)
-    tables: dict[str, list] = {"off": [], "on": []}
+    defaults = small_linear.ONE_ROW, small_linear.MAX_ROWS
+    names = list(ROUTINGS)
+    tables: dict[str, list] = {n: [] for n in names}
+    units: dict[str, list[float]] = {n: [] for n in names}
     for i in range(args.rounds):
-        for how in ("off", "on") if i % 2 == 0 else ("on", "off"):
-            _set_small_rows(target, how == "on")
-            tables[how].append(target.measure_batch_cost(rows=(1, 2, 4, 8), per_row=(1, 2, 3, 4, 8), repeats=3))
-    _set_small_rows(target, True)
-    print(f"forward cost relative to a batch-1 one-token step ({args.model}, {args.threads} threads, "
-          f"medians of {args.rounds} interleaved rounds)")
+        for how in names[i % len(names):] + names[: i % len(names)]:
+            _route(target, how)
+            tables[how].append(target.measure_batch_cost(rows=(1, 2, 4, 8), per_row=(1, 2, 3, 4, 8, 16, 32), repeats=3))
+            units[how].append(target.batch_step_seconds)
+    small_linear.ONE_ROW, small_linear.MAX_ROWS = defaults
+    _route(target, "on")
+    base = statistics.median(units["off"])
+    print(f"forward time in ms, and relative to the one-token step with F.linear ({args.model}, "
+          f"{args.threads} threads, medians of {args.rounds} interleaved rounds)")
+    print("  forward                   " + "".join(f"{n:>18}" for n in names))
+    print("  1 row x 1 token           " + "".join(
+        f"{1e3 * statistics.median(units[n]):>9.1f} ms {statistics.median(units[n]) / base:>4.2f}x" for n in names))
     for r in tables["on"][0]:
         for k in tables["on"][0][r]:
-            off = statistics.median(t[r][k] for t in tables["off"])
-            on = statistics.median(t[r][k] for t in tables["on"])
-            print(f"  {r} rows x {k // r} tokens: off {off:.2f}x  on {on:.2f}x")
+            if r * 1 == k == 1:
+                continue
+            cells = []
+            for n in names:
+                secs = statistics.median(t[r][k] * u for t, u in zip(tables[n], units[n]))
+                cells.append(f"{1e3 * secs:>9.1f} ms {secs / base:>4.2f}x")
+            print(f"  {r} rows x {k // r:>2} tokens       " + "".join(cells))
     return 0
 
 

@@ -83,6 +83,8 @@ class TorchTarget:
         self.batch_cost: dict[int, dict[int, float]] = {}
         """Rows -> {total tokens: cost relative to a one-token batch-1 step}; rows 1 is ``cost_curve``."""
         self.step_seconds: float | None = None
+        self.batch_step_seconds: float | None = None
+        """The batch-1 one-token step of the last ``measure_batch_cost`` (its tables' unit)."""
         use_batched_attention(model)
         use_small_rows_linear(model)
         self._interrupt: tuple[int, object] | None = None
@@ -293,6 +295,7 @@ class TorchTarget:
                 if rep:
                     timings[(r, k)].append(elapsed)
         unit = statistics.median(timings[(1, 1)])
+        self.batch_step_seconds = unit
         table: dict[int, dict[int, float]] = {}
         for r, k in shapes[1:]:
             table.setdefault(r, {})[r * k] = statistics.median(timings[(r, k)]) / unit

@@ -1,18 +1,20 @@
 """Linear layers that stay cheap for a handful of rows.
 
-On CPU, ``F.linear`` (x @ W.T) over 2-6 rows picks a GEMM kernel that reads the weights
-less efficiently than one row does: measured on a 2-core box over SmolLM2-sized weights,
-2 rows cost 1.8-2.7x one row and 3-4 rows 2-5x, while the same product computed as
-``(W @ x.T).T`` costs 0.7-2.0x (the probe: ``python -m draftmesh.small_linear``).
-A verify step is exactly that case (a root plus a few tree nodes, or a few rows of one token
-each), so every ``nn.Linear`` of a target takes the transposed product for 2..``MAX_ROWS``
-rows and ``F.linear`` otherwise. The result is the same product in another summation order:
-equal in float64 to rounding, and in fp32 within the noise that already separates a tree
-forward from a one-token step. Only float32 takes it (where it was measured): float64, the
-dtype of the exactness proofs, keeps ``F.linear``, whose rows are bitwise independent of how
-many rows share the call, so those proofs stay about the algorithm (masks, positions, KV), not
-about summation order (Gemma 3's norms compute in float32 and would turn a 1e-17 difference
-into 2e-7).
+On CPU, ``F.linear`` (x @ W.T) over one row runs a GEMV kernel, and over 2-32 rows a GEMM
+kernel, that both read the weights far slower than the same product computed as
+``(W @ x.T).T``: a decode step is bound by reading the weights, and on a 2-core box, over
+SmolLM2-135M's weights (cold in cache, as in a real forward), every linear of one token took
+48 ms with ``F.linear``, 22 ms as the transposed product of the row stacked twice, and two rows
+21 ms transposed against 86 ms with ``F.linear``. A verify step is exactly that case (a root
+plus a few tree nodes, or a few rows of one token each), and so is plain decoding, so every
+``nn.Linear`` of a target takes the transposed product for 1..``MAX_ROWS`` rows (one row
+stacked twice: the one-column product takes the slow GEMV path again) and ``F.linear`` above.
+The result is the same product in another summation order: equal in float64 to rounding, and
+in fp32 within the noise that already separates a tree forward from a one-token step. Only
+float32 takes it (where it was measured): float64, the dtype of the exactness proofs, keeps
+``F.linear``, whose rows are bitwise independent of how many rows share the call, so those
+proofs stay about the algorithm (masks, positions, KV), not about summation order (Gemma 3's
+norms compute in float32 and would turn a 1e-17 difference into 2e-7).
 """
 
 from __future__ import annotations
@@ -24,16 +26,24 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-MAX_ROWS = 6
-"""Above this many rows ``F.linear``'s own kernel is as fast or faster (measured at 8)."""
+MAX_ROWS = 32
+"""Up to this many rows the transposed product is as fast or faster; from 64 rows on ``F.linear``'s
+kernel wins (``python -m draftmesh.bench.forward_cost``)."""
+ONE_ROW = True
+"""One row goes through the two-row product too (the row twice): the one-row GEMV kernel reads
+the weights at about half the speed of the two-row GEMM on these CPUs."""
 
 
 def small_rows_linear(module: nn.Linear, x: torch.Tensor) -> torch.Tensor:
     rows = x.numel() // x.shape[-1] if x.numel() else 0
-    if not 2 <= rows <= MAX_ROWS or x.dtype != torch.float32 or x.device.type != "cpu":
+    low = 1 if ONE_ROW else 2
+    if not low <= rows <= MAX_ROWS or x.dtype != torch.float32 or x.device.type != "cpu":
         return F.linear(x, module.weight, module.bias)
     flat = x.reshape(rows, x.shape[-1])
-    out = torch.mm(module.weight, flat.t()).t()
+    if rows == 1:
+        out = torch.mm(module.weight, torch.cat([flat, flat]).t()).t()[:1].contiguous()
+    else:
+        out = torch.mm(module.weight, flat.t()).t()
     if module.bias is not None:
         out = out + module.bias
     return out.reshape(*x.shape[:-1], out.shape[-1])
