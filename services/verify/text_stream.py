@@ -16,6 +16,11 @@ from __future__ import annotations
 
 from typing import Sequence
 
+WINDOW = 6
+"""Tokens decoded before the unsettled tail, as context for the tail's first token."""
+SETTLE_AFTER = 8
+"""Unsettled tokens beyond which a run of invalid bytes (text ending in "\ufffd" for good) is settled."""
+
 
 class TextStream:
     """Incremental detokenization of one generation: stream-safe deltas and stop-string cuts."""
@@ -28,16 +33,52 @@ class TextStream:
         """Characters of the text handed out so far."""
         self.stop_at: int | None = None
         """Where the final text ends once a stop string appeared (the string itself is cut)."""
+        self._settled = ""
+        """``decode(ids[:_read])``: text no later token can change (it ends at a character boundary)."""
+        self._read = 0
+        self._start = 0
+        """Where the window starts (``_read - WINDOW`` or 0); ``_head`` is ``decode(ids[_start:_read])``."""
+        self._head = ""
+        self.decoded_tokens = 0
+        """Tokens handed to the tokenizer so far (what keeps a long output's stream linear)."""
 
     def _decode(self, ids: Sequence[int]) -> str:
+        self.decoded_tokens += len(ids)
         return self.tokenizer.decode(ids, skip_special_tokens=True)
+
+    def _text(self, ids: Sequence[int]) -> str:
+        """``decode(ids)``, from the settled text and a window over the tokens after it."""
+        if len(ids) < self._read:  # not the output this stream has seen grow: start again
+            self._settled, self._read, self._start, self._head = "", 0, 0, ""
+        window = self._decode(ids[self._start :])
+        if not window.startswith(self._head):
+            return self._decode(ids)  # the window's head decodes differently in context: no split here
+        text = self._settled + window[len(self._head) :]
+        n = len(ids)
+        if not text.endswith("\ufffd"):
+            self._settle(ids, n, text)
+        elif n - self._read > SETTLE_AFTER:
+            # A run of invalid bytes: the text up to 4 tokens back (at least 4 bytes, more than an
+            # incomplete character can still take) is final if the longer text still begins with it.
+            r = n - 4
+            part = self._decode(ids[self._start : r])
+            if part.startswith(self._head):
+                text_r = self._settled + part[len(self._head) :]
+                if text.startswith(text_r):
+                    self._settle(ids, r, text_r)
+        return text
+
+    def _settle(self, ids: Sequence[int], r: int, text: str) -> None:
+        self._settled, self._read = text, r
+        self._start = max(0, r - WINDOW)
+        self._head = self._decode(ids[self._start : r])
 
     def push(self, generated: list[int]) -> tuple[str, bool]:
         """After one more token: (new text safe to emit, whether a stop string now appears).
 
         Call it once per generated token, in order: that is what makes stop matching
         exact per token."""
-        text = self._decode(generated)
+        text = self._text(generated)
         hit = self._find_stop(text) if self.stop else None
         if hit is not None:
             self.stop_at = hit
@@ -48,7 +89,7 @@ class TextStream:
         """After a step without stop strings: the new text safe to emit."""
         if self.stop:
             raise ValueError("with stop strings, feed tokens one at a time (push)")
-        text = self._decode(generated)
+        text = self._text(generated)
         return self._emit(text, len(text))
 
     def flush(self, generated: list[int]) -> str:
@@ -59,7 +100,7 @@ class TextStream:
         return rest
 
     def final(self, generated: list[int]) -> str:
-        text = self._decode(generated)
+        text = self._text(generated)
         return text[: self.stop_at] if self.stop_at is not None else text
 
     def _emit(self, text: str, safe: int) -> str:

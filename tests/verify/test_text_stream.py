@@ -197,3 +197,63 @@ def test_text_stream_unit_flush_and_per_token_push(smol_tokenizer):
     assert stream.update(ids + [lead]) == "caf\u00e9 ol" and stream.flush(ids + [lead]) == "\ufffd"
     stream = TextStream(tok, ("\ufffd",))
     assert stream.push(ids + [lead]) == ("caf\u00e9 ol", True) and stream.final(ids + [lead]) == "caf\u00e9 ol"
+
+
+class CountingTokenizer:
+    """Counts the tokens handed to ``decode`` (test double around a real tokenizer)."""
+
+    def __init__(self, tok) -> None:
+        self.tok, self.decoded = tok, 0
+
+    def decode(self, ids, **kw):
+        self.decoded += len(ids)
+        return self.tok.decode(ids, **kw)
+
+
+@pytest.fixture(scope="module", params=["smollm2-135m", "gemma3-270m"])
+def token_pool(request):
+    """A real tokenizer and ids to draw from: lone UTF-8 bytes (byte-level BPE fragments, or
+    SentencePiece byte-fallback tokens), pieces with non-ASCII characters, ASCII pieces with and
+    without a leading space, and special tokens (skipped by the decode)."""
+    from draftmesh.models import load_tokenizer
+
+    tok = load_tokenizer(request.param)
+    rng = random.Random(1)
+    names = tok.convert_ids_to_tokens(list(range(len(tok))))
+    fragments = [i for i, name in enumerate(names) if name and len(name) == 6 and name.startswith("<0x")]
+    if not fragments:  # byte-level BPE: a lone byte decodes to "\ufffd"
+        fragments = [i for i in range(len(tok)) if tok.decode([i]) == "\ufffd"]
+    sample = rng.sample(range(len(tok)), 6000)
+    pieces = {i: tok.decode([i]) for i in sample}
+    wide = [i for i, s in pieces.items() if s and "\ufffd" not in s and any(ord(c) > 127 for c in s)]
+    ascii_ = [i for i, s in pieces.items() if s.strip() and s.isascii()]
+    special = list(tok.all_special_ids)
+    assert len(fragments) >= 100 and len(wide) >= 20 and len(ascii_) >= 100 and special
+    return tok, rng.sample(fragments, 100) + wide[:60] + ascii_[:100] + special
+
+
+@settings(max_examples=80, deadline=None, derandomize=True, suppress_health_check=[HealthCheck.function_scoped_fixture])
+@given(data=st.data())
+def test_incremental_text_equals_decoding_everything(token_pool, data):
+    """Every prefix's text, as the stream computes it from its settled text and a window, is the
+    tokenizer's decode of the whole prefix: fed one token at a time (stop strings) or a step of
+    several (no stop strings)."""
+    tok, pool = token_pool
+    ids = data.draw(st.lists(st.sampled_from(pool), min_size=1, max_size=60), label="ids")
+    step = data.draw(st.integers(1, 5), label="tokens per call")
+    stream = TextStream(tok, ())
+    for n in list(range(step, len(ids), step)) + [len(ids)]:
+        assert stream._text(ids[:n]) == tok.decode(ids[:n], skip_special_tokens=True), n
+
+
+def test_stop_strings_decode_a_long_output_in_linear_time(smol_tokenizer):
+    """With stop strings every token is pushed alone; each push decodes a few tokens, not the
+    whole output (which made a 2,000-token answer decode two million tokens)."""
+    tok = CountingTokenizer(smol_tokenizer)
+    paragraph = "Zürich's café served 3.5 crêpes — naïve, yet ☕ fine. "
+    ids = smol_tokenizer.encode(paragraph * 120, add_special_tokens=False)
+    assert len(ids) >= 2000
+    stream = TextStream(tok, ("never appears", "\n\n"))
+    streamed = "".join(stream.push(ids[:n])[0] for n in range(1, len(ids) + 1)) + stream.flush(ids)
+    assert streamed == smol_tokenizer.decode(ids) == paragraph * 120
+    assert tok.decoded <= 20 * len(ids)
