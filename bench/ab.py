@@ -13,8 +13,8 @@ import argparse
 import collections
 import json
 
-import torch
 
+from draftmesh import compute
 from draftmesh.backend import TorchTarget
 from draftmesh.bench.items import prepare_items
 from draftmesh.bench.loop import execute
@@ -35,7 +35,7 @@ def main() -> int:
                         help="source options of one variant, e.g. 'ng1={\"history\": {\"min_ngram\": 1}}' (repeatable)")
     args = parser.parse_args()
 
-    torch.set_num_threads(args.threads)
+    compute.set_threads(args.threads)
     variants = {"default": None}
     for spec in args.variant:
         name, _, options = spec.partition("=")

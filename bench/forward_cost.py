@@ -11,9 +11,9 @@ from __future__ import annotations
 import argparse
 import statistics
 
-import torch
 from torch import nn
 
+from draftmesh import compute
 from draftmesh import small_linear
 from draftmesh.backend import TorchTarget
 from draftmesh.small_linear import use_small_rows_linear
@@ -39,7 +39,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--rounds", type=int, default=4)
     parser.add_argument("--threads", type=int, default=2)
     args = parser.parse_args(argv)
-    torch.set_num_threads(args.threads)
+    compute.set_threads(args.threads)
     target = TorchTarget.load(args.model)
     defaults = small_linear.ONE_ROW, small_linear.MAX_ROWS
     names = list(ROUTINGS)

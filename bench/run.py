@@ -11,8 +11,8 @@ from datetime import datetime, timezone
 from pathlib import Path
 from typing import Any
 
-import torch
 
+from draftmesh import compute
 from draftmesh.backend import TorchTarget
 from draftmesh.bench.cli import (
     EXIT_INTERRUPTED,
@@ -114,9 +114,9 @@ def run(args: argparse.Namespace) -> int:
         skipped[HF_ASSIST] = "no --assistant given"
         methods = [m for m in methods if m.name != HF_ASSIST]
 
-    old_threads = torch.get_num_threads()
+    old_threads = compute.get_threads()
     threads = cfg.engine.threads or old_threads
-    torch.set_num_threads(threads)
+    compute.set_threads(threads)
     cfg = cfg.replace(engine={"threads": threads})
     try:
         try:
@@ -215,7 +215,7 @@ def run(args: argparse.Namespace) -> int:
         _write_outputs(opt("json"), lambda: report_to_json(report), opt("plot"), lambda path: write_plot(report, path))
         return EXIT_MISMATCH if any(r.identical_to_plain is False and not r.other_engine for r in results) else EXIT_OK
     finally:
-        torch.set_num_threads(old_threads)
+        compute.set_threads(old_threads)
 
 
 def _write_outputs(json_path, payload, plot_path, plot) -> None:

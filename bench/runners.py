@@ -10,6 +10,7 @@ from typing import Any, Mapping, Sequence
 import torch
 from transformers import GenerationConfig
 
+from draftmesh import compute
 from draftmesh.backend import TorchTarget
 from draftmesh.bench.items import ItemRun, MethodRunner, PreparedItem, SourceStats, cut_at_eos
 from draftmesh.bench.methods import Method
@@ -214,12 +215,16 @@ class HFRunner:
                 kwargs["tokenizer"] = self.target.tokenizer
                 kwargs["assistant_tokenizer"] = self.assistant.tokenizer
         cfg = self.generation_config(item.max_new_tokens)
-        with _clean_generation_config(model), torch.inference_mode():
-            t0 = time.perf_counter()
-            out = model.generate(
-                input_ids=ids, attention_mask=torch.ones_like(ids), generation_config=cfg, **kwargs
-            )
-            seconds = time.perf_counter() - t0
+
+        def generate():  # on the compute thread, as our engine's forwards (draftmesh.compute)
+            with _clean_generation_config(model), torch.inference_mode():
+                t0 = time.perf_counter()
+                out = model.generate(
+                    input_ids=ids, attention_mask=torch.ones_like(ids), generation_config=cfg, **kwargs
+                )
+                return out, time.perf_counter() - t0
+
+        out, seconds = compute.run(generate)
         new = cut_at_eos(out[0, ids.shape[1] :].tolist(), self.eos_ids)
         return ItemRun(
             item_id=item.id,

@@ -24,6 +24,7 @@ import torch
 from transformers import DynamicCache
 
 from draftmesh.batch_kv import RowInput, SlotKVCache, use_batched_attention
+from draftmesh.compute import on_compute_thread
 from draftmesh.models import load_model
 from draftmesh.small_linear import use_small_rows_linear
 from draftmesh.tree import TokenTree
@@ -100,7 +101,9 @@ class TorchTarget:
         return before_layer
 
     @classmethod
+    @on_compute_thread
     def load(cls, spec: str, *, device: str = "cpu", dtype: torch.dtype | None = None) -> "TorchTarget":
+        """Loaded on the compute thread, like every forward (see ``draftmesh.compute``)."""
         model, tokenizer = load_model(spec, device=device, dtype=dtype)
         return cls(model, tokenizer, name=spec)
 
@@ -115,6 +118,7 @@ class TorchTarget:
         return frozenset(ids)
 
     # ------------------------------------------------------------------ forward passes
+    @on_compute_thread
     @torch.inference_mode()
     def prefill(self, state: KVState, token_ids: Sequence[int]) -> None:
         """Append ``token_ids`` to the cache (the model's own causal masks)."""
@@ -125,6 +129,7 @@ class TorchTarget:
         self.model(input_ids=ids, position_ids=pos, cache=state.cache, use_cache=True, logits_to_keep=1)
         state.length += ids.shape[1]
 
+    @on_compute_thread
     @torch.inference_mode()
     def step(self, state: KVState, root: int) -> torch.Tensor:
         """Plain decoding: one token, the model's own mask. Returns logits (1, V) in fp32."""
@@ -134,6 +139,7 @@ class TorchTarget:
         state.length += 1
         return out.logits[0].float()
 
+    @on_compute_thread
     @torch.inference_mode()
     def forward_tree(self, state: KVState, root: int, tree: TokenTree) -> torch.Tensor:
         """Logits (1 + N, V) at the root and every node; appends 1 + N entries to the cache."""
@@ -173,6 +179,7 @@ class TorchTarget:
     def new_batch_cache(self, max_bytes: int) -> SlotKVCache:
         return SlotKVCache.for_model(self.model, max_bytes=max_bytes)
 
+    @on_compute_thread
     @torch.inference_mode()
     def forward_batch(self, kv: SlotKVCache, inputs: Sequence[RowInput], interrupt=None) -> list[torch.Tensor]:
         """One forward over every row's new tokens; logits (fp32) per row for its tokens from
@@ -207,6 +214,7 @@ class TorchTarget:
             start += n
         return out
 
+    @on_compute_thread
     def top2_gap(self, token_ids: Sequence[int]) -> float:
         """Top-1 minus top-2 logit after ``token_ids`` under plain decoding.
 
@@ -233,6 +241,7 @@ class TorchTarget:
         state.length = new_len
 
     # ------------------------------------------------------------------ cost curve
+    @on_compute_thread
     @torch.inference_mode()
     def measure_cost_curve(
         self, sizes: Sequence[int] = COST_CURVE_SIZES, context: int = 128, repeats: int = 5
@@ -265,6 +274,7 @@ class TorchTarget:
         self.step_seconds = unit
         return self.cost_curve
 
+    @on_compute_thread
     @torch.inference_mode()
     def measure_batch_cost(
         self, rows: Sequence[int] = BATCH_COST_ROWS, per_row: Sequence[int] = BATCH_COST_TOKENS_PER_ROW,

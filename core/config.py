@@ -125,9 +125,9 @@ class EngineConfig:
 
     def apply_threads(self) -> None:
         if self.threads:
-            import torch  # lazy: as in torch_dtype
+            from draftmesh import compute  # lazy: as in torch_dtype
 
-            torch.set_num_threads(self.threads)
+            compute.set_threads(self.threads)
 
 
 @dataclass(frozen=True)

@@ -3,10 +3,26 @@ distribution tests (tests/verify/test_sampling_lossless.py, test_seeded_sampling
 
 from __future__ import annotations
 
+import pytest
 import torch
+from tiny_models import tiny_target
 
 from draftmesh.backend import KVState
 from draftmesh.sampling import target_probs
+
+VOCAB = 16
+PROMPT = [3, 7, 2, 9]
+
+
+@pytest.fixture(scope="module")
+def model():
+    """The tiny float64 target both tests sample from (import the fixture with the law)."""
+    return tiny_target("llama", vocab_size=VOCAB, seed=5, attn="eager")
+
+
+@pytest.fixture(scope="module")
+def logits_table(model):
+    return logits_after(model, PROMPT, VOCAB)
 
 
 def logits_after(model, prompt: list[int], vocab: int) -> tuple[torch.Tensor, torch.Tensor]:

@@ -9,9 +9,11 @@ the batched forward's measured cost), (5) runs one forward over every row, (6) l
 request accept under its own policy and RNG, commit its KV and emit. Requests join and
 leave between steps.
 
-No thread of its own: whichever waiting caller finds the step lock free runs the next step
-for everyone (``next_event``), so in-process callers and the replica's request threads share
-one loop; a cancel waits for at most the running step, then frees the row.
+No loop of its own: whichever waiting caller finds the step lock free runs the next step for
+everyone (``next_event``), so in-process callers and the replica's request threads share one
+loop; a cancel waits for at most the running step, then frees the row. The step itself (and a
+cancel's row release) runs on the process's compute thread (``draftmesh.compute``): torch's
+OpenMP is twice as slow once several threads have run its parallel regions.
 
 KV memory: one slab (``SlotKVCache``) bounded, together with the session pool's caches, by
 ``kv_budget_bytes``. A request reserves a row of ``prompt + max_new_tokens + tree`` tokens; it
@@ -30,6 +32,7 @@ from typing import Any
 
 from opentelemetry import trace
 
+from draftmesh import compute
 from draftmesh.backend import ForwardInterrupted, KVState
 from draftmesh.batch_kv import SlotKVCache
 from draftmesh.io_struct import GenerationRequest, GenerationResult, StepEvent
@@ -159,13 +162,14 @@ class BatchScheduler:
             self.decoder.end_request(ticket.run)
             return
         with self._step_lock:
-            self._drop_cancelled()
+            compute.run(self._drop_cancelled)
 
     def active_count(self) -> int:
         with self._lock:
             return len(self._active) + len(self._waiting)
 
     # ------------------------------------------------------------------ the step
+    @compute.on_compute_thread
     def step(self) -> bool:
         """One forward for every active request; False when there was nothing to do."""
         self._drop_cancelled()

@@ -14,8 +14,7 @@ import random
 import pytest
 import torch
 from scipy.stats import chisquare
-from tiny_models import tiny_target
-from two_token_law import exact_law, logits_after
+from two_token_law import PROMPT, VOCAB, exact_law, logits_table, model  # noqa: F401 (fixtures)
 
 from draftmesh.io_struct import GenerationRequest, SamplingParams
 from draftmesh.sampling import sample, target_probs
@@ -23,20 +22,6 @@ from draftmesh.tree import QDraw, TokenTree
 from draftmesh.verify import acceptance
 from draftmesh.verify.acceptance import verify_sampling
 from draftmesh.verify.decoder import SpeculativeDecoder
-
-VOCAB = 16
-PROMPT = [3, 7, 2, 9]
-
-
-@pytest.fixture(scope="module")
-def model():
-    return tiny_target("llama", vocab_size=VOCAB, seed=5, attn="eager")
-
-
-@pytest.fixture(scope="module")
-def logits_table(model):
-    return logits_after(model, PROMPT, VOCAB)
-
 
 def random_dist(rng: random.Random) -> torch.Tensor:
     w = torch.tensor([rng.expovariate(1.0) ** 2 for _ in range(VOCAB)], dtype=torch.float64)

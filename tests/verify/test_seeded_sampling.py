@@ -15,8 +15,7 @@ import random
 import pytest
 import torch
 from scipy.stats import chisquare
-from tiny_models import tiny_target
-from two_token_law import exact_law, logits_after
+from two_token_law import PROMPT, VOCAB, exact_law, logits_table, model  # noqa: F401 (fixtures)
 
 from draftmesh.draft.base import DraftContext, Proposal
 from draftmesh.draft.prompt_lookup import PromptLookupSource
@@ -26,20 +25,6 @@ from draftmesh.tree import QDraw, TokenTree
 from draftmesh.verify.acceptance import verify_keyed
 from draftmesh.verify.decoder import SpeculativeDecoder
 from draftmesh.verify.tree_builder import TrieBuilder
-
-VOCAB = 16
-PROMPT = [3, 7, 2, 9]
-
-
-@pytest.fixture(scope="module")
-def model():
-    return tiny_target("llama", vocab_size=VOCAB, seed=5, attn="eager")
-
-
-@pytest.fixture(scope="module")
-def logits_table(model):
-    return logits_after(model, PROMPT, VOCAB)
-
 
 def chi2_pvalue(counts: torch.Tensor, law: torch.Tensor) -> float:
     n = counts.sum()

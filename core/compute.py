@@ -1,0 +1,84 @@
+"""One thread for the process's torch compute.
+
+PyTorch's CPU wheel parallelizes through libgomp, which gives every OS thread that starts a
+parallel region a team of worker threads of its own. Idle workers spin between regions, which
+is what makes a forward of hundreds of small regions fast; but once the process holds more
+such threads than CPUs, libgomp stops the spinning for everyone, and each region wakes its
+workers through the kernel. Requests arrive on many threads (a replica's request threads, gRPC
+handlers, bench clients), and the step runs on whichever caller finds the batch free, so the
+second thread to run a forward doubled every forward: measured on a 2-core box, a one-token
+SmolLM2-135M forward took 41 ms on the thread that loaded the model and 80 ms on any other
+(46 ms there single-threaded). Every forward, measurement and model load of a target therefore
+runs on this one long-lived thread; calls made on it run directly (no deadlock on nesting).
+"""
+
+from __future__ import annotations
+
+import functools
+import os
+import threading
+from concurrent.futures import ThreadPoolExecutor
+from typing import Any, Callable, TypeVar
+
+T = TypeVar("T")
+
+_lock = threading.Lock()
+_executor: ThreadPoolExecutor | None = None
+_ident: int | None = None
+
+
+def _start(fn: Callable[..., T], args, kwargs) -> T:
+    global _ident
+    _ident = threading.get_ident()
+    return fn(*args, **kwargs)
+
+
+def run(fn: Callable[..., T], *args: Any, **kwargs: Any) -> T:
+    """``fn(*args, **kwargs)`` on the compute thread; its result, or its exception."""
+    global _executor
+    if threading.get_ident() == _ident:
+        return fn(*args, **kwargs)
+    with _lock:
+        if _executor is None:
+            _executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix="draftmesh-compute")
+        executor = _executor
+    return executor.submit(_start, fn, args, kwargs).result()
+
+
+def on_compute_thread(fn: Callable[..., T]) -> Callable[..., T]:
+    """Decorate a function (or method) so that it always runs on the compute thread."""
+
+    @functools.wraps(fn)
+    def wrapper(*args: Any, **kwargs: Any) -> T:
+        return run(fn, *args, **kwargs)
+
+    return wrapper
+
+
+def set_threads(n: int) -> None:
+    """``torch.set_num_threads(n)`` for the compute thread and the caller: OpenMP keeps the
+    width of parallel regions per thread, so setting it elsewhere leaves the compute thread's."""
+    import torch  # lazy: the module itself is plain threading
+
+    torch.set_num_threads(n)
+    run(torch.set_num_threads, n)
+
+
+def get_threads() -> int:
+    """The compute thread's intra-op width."""
+    import torch
+
+    return run(torch.get_num_threads)
+
+
+def is_compute_thread() -> bool:
+    return threading.get_ident() == _ident
+
+
+def _after_fork_in_child() -> None:  # the child has none of the parent's threads
+    global _executor, _ident, _lock
+    _executor, _ident, _lock = None, None, threading.Lock()
+
+
+if hasattr(os, "register_at_fork"):
+    os.register_at_fork(after_in_child=_after_fork_in_child)
