@@ -1,0 +1,72 @@
+"""Every torch forward of the process runs on one thread (libgomp slows every parallel region
+down once several threads have run them; see draftmesh.compute)."""
+
+from __future__ import annotations
+
+import multiprocessing
+import threading
+
+import pytest
+import torch
+
+from draftmesh import compute
+from draftmesh.io_struct import GenerationRequest
+from draftmesh.verify.decoder import SpeculativeDecoder
+
+
+def test_run_is_one_thread_nests_and_raises():
+    here = threading.get_ident()
+    idents = {compute.run(threading.get_ident) for _ in range(3)}
+    assert len(idents) == 1 and here not in idents
+    assert compute.run(lambda: compute.run(threading.get_ident)) == idents.pop()  # nested: direct, no deadlock
+    with pytest.raises(ZeroDivisionError):
+        compute.run(lambda: 1 / 0)
+
+
+def test_set_threads_reaches_the_compute_thread():
+    before = compute.get_threads()
+    try:
+        compute.set_threads(2)
+        assert compute.run(torch.get_num_threads) == 2 and torch.get_num_threads() == 2
+        compute.set_threads(1)
+        assert compute.run(torch.get_num_threads) == 1
+    finally:
+        compute.set_threads(before)
+
+
+def test_requests_from_many_threads_run_their_forwards_on_the_compute_thread(tiny):
+    seen: set[int] = set()
+    hook = tiny.model.get_decoder().layers[0].register_forward_pre_hook(lambda m, a: seen.add(threading.get_ident()))
+    decoder = SpeculativeDecoder(tiny)
+    out: dict[int, tuple[int, ...]] = {}
+
+    def call(i: int) -> None:
+        out[i] = decoder.generate(GenerationRequest((3, 4, 5 + i), max_new_tokens=6)).token_ids
+
+    try:
+        threads = [threading.Thread(target=call, args=(i,)) for i in range(4)]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join(60)
+        decoder.generate(GenerationRequest((3, 4, 9), max_new_tokens=3))  # and from this thread
+    finally:
+        hook.remove()
+    assert len(out) == 4 and seen == {compute.run(threading.get_ident)}
+
+
+def _child(queue) -> None:
+    queue.put(compute.run(lambda: 41) + 1)
+
+
+def test_a_forked_child_gets_a_compute_thread_of_its_own():
+    compute.run(lambda: None)  # the parent's thread exists
+    ctx = multiprocessing.get_context("fork")
+    queue = ctx.Queue()
+    child = ctx.Process(target=_child, args=(queue,))
+    child.start()
+    try:
+        assert queue.get(timeout=30) == 42
+    finally:
+        child.join(30)
+    assert child.exitcode == 0
