@@ -4,18 +4,22 @@ with the target's linears routed three ways, side by side in one run (interleave
 2026-12-03) and ``on`` (today's ``small_rows_linear``: 1 to ``MAX_ROWS`` rows). Each row of the
 table is a forward's time in ms and relative to the batch-1 one-token step of ``off``, so the
 figures show both the shape of the cost curve and what each routing does to the one-token step
-itself. The figures in docs/batching.md."""
+itself. Then the same one-token forward on the compute thread and on a second thread
+(``--thread-probe-only``: just that). The figures in docs/batching.md."""
 
 from __future__ import annotations
 
 import argparse
 import statistics
+import threading
+import time
 
 from torch import nn
 
 from draftmesh import compute
 from draftmesh import small_linear
 from draftmesh.backend import TorchTarget
+from draftmesh.batch_kv import RowInput
 from draftmesh.small_linear import use_small_rows_linear
 
 ROUTINGS = {"off": None, "2-6": (False, 6), "on": (True, small_linear.MAX_ROWS)}
@@ -33,14 +37,52 @@ def _route(target: TorchTarget, how: str) -> None:
     use_small_rows_linear(target.model)
 
 
+def one_token_ms(target: TorchTarget, forward, repeats: int = 12, context: int = 128) -> float:
+    """Median ms of a batch-1 one-token forward (logits included) through ``forward``."""
+    kv = target.new_batch_cache(max_bytes=1 << 40)
+    kv.ensure(1, context + 2)
+    kv.add_row()
+    v = target.vocab_size
+    forward(target, kv, [RowInput.chain(0, [(100 + i) % v for i in range(context)])])
+    times = []
+    for i in range(repeats):
+        t0 = time.perf_counter()
+        forward(target, kv, [RowInput.chain(0, [(300 + i) % v], logits_from=0)])
+        times.append(time.perf_counter() - t0)
+        kv.commit(0, context, [])
+    return 1e3 * statistics.median(times[2:])
+
+
+def thread_probe(target: TorchTarget, rounds: int) -> tuple[float, float]:
+    """The one-token forward on the compute thread, and on a second thread while the compute
+    thread's OpenMP team exists (what every step on a request's thread did before
+    ``draftmesh.compute``); interleaved rounds, medians. The second thread ends each round, so
+    the compute thread's rounds run with one team."""
+    direct = TorchTarget.forward_batch.__wrapped__  # the forward itself, on whichever thread calls it
+    on_compute, elsewhere = [], []
+    for _ in range(rounds):
+        on_compute.append(compute.run(one_token_ms, target, direct))
+        out: list[float] = []
+        worker = threading.Thread(target=lambda: out.append(one_token_ms(target, direct)))
+        worker.start()
+        worker.join()
+        elsewhere.append(out[0])
+    return statistics.median(on_compute), statistics.median(elsewhere)
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--model", default="smollm2-135m")
     parser.add_argument("--rounds", type=int, default=4)
     parser.add_argument("--threads", type=int, default=2)
+    parser.add_argument("--thread-probe-only", action="store_true",
+                        help="only the one-token forward on the compute thread vs on a second thread")
     args = parser.parse_args(argv)
     compute.set_threads(args.threads)
     target = TorchTarget.load(args.model)
+    if args.thread_probe_only:
+        _print_thread_probe(target, args.rounds)
+        return 0
     defaults = small_linear.ONE_ROW, small_linear.MAX_ROWS
     names = list(ROUTINGS)
     tables: dict[str, list] = {n: [] for n in names}
@@ -67,7 +109,14 @@ def main(argv: list[str] | None = None) -> int:
                 secs = statistics.median(t[r][k] * u for t, u in zip(tables[n], units[n]))
                 cells.append(f"{1e3 * secs:>9.1f} ms {secs / base:>4.2f}x")
             print(f"  {r} rows x {k // r:>2} tokens       " + "".join(cells))
+    _print_thread_probe(target, args.rounds)
     return 0
+
+
+def _print_thread_probe(target: TorchTarget, rounds: int) -> None:
+    here, elsewhere = thread_probe(target, rounds)
+    print(f"one-token forward on the compute thread {here:.1f} ms; on a second thread beside it "
+          f"{elsewhere:.1f} ms ({elsewhere / here:.2f}x: what a step on a request's thread cost before draftmesh.compute)")
 
 
 if __name__ == "__main__":
