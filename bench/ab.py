@@ -13,7 +13,6 @@ import argparse
 import collections
 import json
 
-
 from draftmesh import compute
 from draftmesh.backend import TorchTarget
 from draftmesh.bench.items import prepare_items

@@ -16,8 +16,7 @@ import time
 
 from torch import nn
 
-from draftmesh import compute
-from draftmesh import small_linear
+from draftmesh import compute, small_linear
 from draftmesh.backend import TorchTarget
 from draftmesh.batch_kv import RowInput
 from draftmesh.small_linear import use_small_rows_linear
@@ -102,7 +101,7 @@ def main(argv: list[str] | None = None) -> int:
         f"{1e3 * statistics.median(units[n]):>9.1f} ms {statistics.median(units[n]) / base:>4.2f}x" for n in names))
     for r in tables["on"][0]:
         for k in tables["on"][0][r]:
-            if r * 1 == k == 1:
+            if r == k == 1:
                 continue
             cells = []
             for n in names:

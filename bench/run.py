@@ -11,7 +11,6 @@ from datetime import datetime, timezone
 from pathlib import Path
 from typing import Any
 
-
 from draftmesh import compute
 from draftmesh.backend import TorchTarget
 from draftmesh.bench.cli import (

@@ -30,6 +30,8 @@ from draftmesh.small_linear import use_small_rows_linear
 from draftmesh.tree import TokenTree
 
 COST_CURVE_SIZES = (1, 2, 4, 8, 16, 32, 64)
+BATCH_COST_ROWS = (2, 4, 8, 16)
+BATCH_COST_TOKENS_PER_ROW = (1, 2, 4, 8)
 
 
 class ForwardInterrupted(Exception):
@@ -41,8 +43,6 @@ class ForwardInterrupted(Exception):
     def __init__(self, layer: int) -> None:
         super().__init__(f"forward interrupted before decoder layer {layer}")
         self.layer = layer
-BATCH_COST_ROWS = (2, 4, 8, 16)
-BATCH_COST_TOKENS_PER_ROW = (1, 2, 4, 8)
 
 
 @dataclass

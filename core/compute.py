@@ -71,10 +71,6 @@ def get_threads() -> int:
     return run(torch.get_num_threads)
 
 
-def is_compute_thread() -> bool:
-    return threading.get_ident() == _ident
-
-
 def _after_fork_in_child() -> None:  # the child has none of the parent's threads
     global _executor, _ident, _lock
     _executor, _ident, _lock = None, None, threading.Lock()

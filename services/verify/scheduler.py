@@ -301,15 +301,19 @@ class BatchScheduler:
     def _newcomer_ready(self) -> bool:
         """Whether the queue's head could join now and take its first token at the next step (its
         prompt fits one chunk): what a prefill-only forward is interrupted for. Asked between layers."""
-        limits, kv = self.limits, self.kv
+        limits = self.limits
         with self._lock:
             if not self._waiting or len(self._active) >= limits.max_rows:
                 return False
             req = self._waiting[0].run.req
         if len(req.prompt_ids) - 1 > limits.prefill_chunk:
             return False
-        need = max(kv.token_capacity, self._row_tokens(req))
-        return kv.bytes_for(kv.rows + 1, need) <= limits.kv_budget_bytes
+        return self._grown_slab(req)[1] <= limits.kv_budget_bytes
+
+    def _grown_slab(self, req: GenerationRequest) -> tuple[int, int]:
+        """Tokens per row, and the slab's bytes, once ``req`` has a row too."""
+        need = max(self.kv.token_capacity, self._row_tokens(req))
+        return need, self.kv.bytes_for(self.kv.rows + 1, need)
 
     def _pool_bytes(self) -> int:
         pool = self.decoder.kv_pool
@@ -322,11 +326,9 @@ class BatchScheduler:
                 if not self._waiting or len(self._active) >= limits.max_rows:
                     return
                 ticket = self._waiting[0]
-                need = self._row_tokens(ticket.run.req)
-                if kv.rows == 0 and kv.bytes_for(1, need) > limits.kv_budget_bytes:
+                if kv.rows == 0 and kv.bytes_for(1, self._row_tokens(ticket.run.req)) > limits.kv_budget_bytes:
                     kv.release()  # an idle slab shaped for earlier requests: start again at this one's size
-                need = max(kv.token_capacity, need)
-                slab = kv.bytes_for(kv.rows + 1, need)
+                need, slab = self._grown_slab(ticket.run.req)
                 if slab + self._pool_bytes() > limits.kv_budget_bytes and pool is not None:
                     pool.shrink_to(max(0, (limits.kv_budget_bytes - slab) // kv.bytes_per_token))
                 if slab + self._pool_bytes() > limits.kv_budget_bytes:
