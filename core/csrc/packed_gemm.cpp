@@ -1,0 +1,80 @@
+// y[M, N] = x[M, K] @ W[N, K]^T (+ bias), fp32, over weights packed once at load.
+//
+// Why: a decode or verify step multiplies a handful of rows by every weight of the model, so it is
+// bound by reading the weights; BLAS GEMM/GEMV kernels for 1-32 rows read them at a fraction of the
+// memory bandwidth (draftmesh.packed_linear has the figures). Here the weights are packed once into
+// blocks of NB output columns laid out k-major ([block][k][NB]), so each block streams contiguously
+// through the cache while up to MRMAX rows are multiplied against it from registers: 1 to 8 rows cost
+// about one read of the weights, and beyond that the kernel is bound by the FMA units.
+//
+// Every output y[m, n] is one sequential fused multiply-add chain over k = 0..K-1 (then + bias[n]),
+// whatever M, the row's place in the batch, the tile it falls in or the thread count: a row's result
+// is bitwise the same alone or in any batch.
+//
+// Built twice by setup.py (no torch headers: it is loaded with ctypes, and its OpenMP calls resolve to
+// the libgomp torch has already loaded, so they share torch's thread team):
+//   AVX-512: VW=16 NV=3 MRMAX=8   AVX2: VW=8 NV=2 MRMAX=6   (both -mfma -ffp-contract=fast)
+#include <omp.h>
+#include <string.h>
+
+#ifndef VW
+#error "VW (floats per vector), NV (vectors per block) and MRMAX (rows per register tile) are set by setup.py"
+#endif
+
+typedef float vec __attribute__((vector_size(VW * 4), aligned(VW * 4)));
+typedef float vec_u __attribute__((vector_size(VW * 4), aligned(4)));
+
+#define NB (NV * VW)
+#define MPANEL 64  // rows of one tile: a weight block is reused from cache over this many rows
+
+extern "C" long dm_block_width(void) { return NB; }
+
+template <int MR>
+static inline void tile(const float* __restrict x, long K, const float* __restrict p, float* __restrict y,
+                        long ldy, int nvalid, const float* __restrict bias) {
+  vec acc[MR][NV];
+  for (int m = 0; m < MR; m++)
+    for (int j = 0; j < NV; j++) acc[m][j] = (vec){};
+  for (long k = 0; k < K; k++) {
+    vec w[NV];
+    for (int j = 0; j < NV; j++) w[j] = *(const vec*)(p + k * NB + j * VW);
+    for (int m = 0; m < MR; m++) {
+      vec xb = (vec){} + x[m * K + k];
+      for (int j = 0; j < NV; j++) acc[m][j] = xb * w[j] + acc[m][j];  // one FMA (-mfma -ffp-contract=fast)
+    }
+  }
+  for (int m = 0; m < MR; m++) {
+    float out[NB];
+    for (int j = 0; j < NV; j++) *(vec_u*)(out + j * VW) = acc[m][j];
+    if (bias)
+      for (int j = 0; j < nvalid; j++) out[j] += bias[j];
+    memcpy(y + m * ldy, out, nvalid * sizeof(float));
+  }
+}
+
+// x: M rows of K floats, contiguous; p: the packed weights (dm_block_width() columns per block, the
+// last block zero-padded); bias: N floats or null; y: M rows of N floats.
+extern "C" void dm_packed_mm(const float* x, long M, long K, const float* p, long N, const float* bias,
+                             float* y, int threads) {
+  const long nblk = (N + NB - 1) / NB;
+  const long panels = (M + MPANEL - 1) / MPANEL;
+  const long tiles = nblk * panels;
+  // Tiles in block-major order, split in contiguous ranges: each thread streams its own run of blocks.
+#pragma omp parallel for schedule(static) num_threads(threads) if (threads > 1 && tiles > 1)
+  for (long t = 0; t < tiles; t++) {
+    const long b = t / panels, m1 = (t % panels) * MPANEL, m2 = m1 + MPANEL < M ? m1 + MPANEL : M;
+    const float* pb = p + b * K * NB;
+    const int nvalid = (int)(N - b * NB < NB ? N - b * NB : NB);
+    const float* bb = bias ? bias + b * NB : nullptr;
+    for (long m0 = m1; m0 < m2; m0 += MRMAX) {
+      const long mr = m2 - m0 < MRMAX ? m2 - m0 : MRMAX;
+      const float* xm = x + m0 * K;
+      float* ym = y + m0 * N + b * NB;
+      switch (mr) {
+#define TILE(i) case i: tile<(i < MRMAX ? i : MRMAX)>(xm, K, pb, ym, N, nvalid, bb); break;
+        TILE(1) TILE(2) TILE(3) TILE(4) TILE(5) TILE(6) TILE(7)
+        default: tile<MRMAX>(xm, K, pb, ym, N, nvalid, bb); break;
+      }
+    }
+  }
+}
