@@ -53,6 +53,8 @@ class TokenTree:
     draft_probs: list[float | None] = field(default_factory=list)
     source_scores: list[dict[str, float]] | None = field(default=None, repr=False, compare=False)
     """Optional per-node confidence of each proposing source, set by a builder for its own learning."""
+    expected_accepted: float | None = field(default=None, repr=False, compare=False)
+    """The builder's uncalibrated estimate of how many of these nodes the target accepts (its own learning)."""
     _children_cache: dict[int, list[int]] = field(default_factory=dict, init=False, repr=False, compare=False)
     """Children of each node, for the nodes ``[0, _indexed)``: extended, never rebuilt, as nodes
     are appended (building a trie stays linear in its size, whatever a source sends)."""

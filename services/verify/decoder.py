@@ -277,6 +277,7 @@ class SpeculativeDecoder:
             "speculating_share": st.drafted_rows / st.forward_rows if st.forward_rows else 0.0,
             "max_rows": st.max_rows_seen, "admitted": st.admitted, "finished": st.finished,
             "cancelled": st.cancelled, "refused": st.refused, "interrupted": st.interrupted,
+            "step_s": st.step_s_total, "forward_s": st.forward_s_total,
             "mean_wait_s": st.wait_s_total / st.admitted if st.admitted else 0.0,
             "active_rows": kv.rows, "kv_bytes_allocated": kv.allocated_bytes, "kv_bytes_used": kv.used_bytes,
             "kv_budget_bytes": sched.limits.kv_budget_bytes,

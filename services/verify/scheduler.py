@@ -88,6 +88,10 @@ class SchedulerStats:
     """Prefill-only forwards stopped between layers so that a newcomer's first token need not wait."""
     wait_s_total: float = 0.0
     max_rows_seen: int = 0
+    step_s_total: float = 0.0
+    """Wall time inside steps that ran a forward (drafting, the forward, acceptance, KV upkeep)."""
+    forward_s_total: float = 0.0
+    """Of which in the forwards themselves."""
 
 
 class BatchScheduler:
@@ -172,6 +176,7 @@ class BatchScheduler:
     @compute.on_compute_thread
     def step(self) -> bool:
         """One forward for every active request; False when there was nothing to do."""
+        t_step = time.perf_counter()
         self._drop_cancelled()
         self._admit()
         runs = [t for t in self._active if t.error is None and not t.done]
@@ -288,6 +293,8 @@ class BatchScheduler:
         st.forward_rows += len(inputs)
         st.drafted_rows += speculating
         st.max_rows_seen = max(st.max_rows_seen, len(inputs))
+        st.forward_s_total += verify_s
+        st.step_s_total += time.perf_counter() - t_step
         if self.observer is not None:
             self.observer.batch(rows=len(inputs), tokens=tokens, queued=len(self._waiting),
                                 kv_bytes=self.kv.allocated_bytes, speculating=speculating)

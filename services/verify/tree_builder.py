@@ -15,8 +15,11 @@ from config), sharpened by the source's own confidence and by agreement between
 sources. The builder then keeps the best nodes (ancestor-closed, since a child never
 scores above its parent) up to the size that maximizes expected tokens per unit of
 verify time on the measured cost curve; when no tree pays for itself it returns an
-empty tree and the step is a plain one. After several fruitless steps in a row a
-request stops speculating for a cool-down, then probes again.
+empty tree and the step is a plain one. Every score is scaled by how many tree nodes
+were really accepted lately against how many the scores predicted
+(``AcceptanceCalibration``, at most 1), so optimistic estimates shrink the trees the
+budget buys instead of lengthening every step of the batch. After several fruitless
+steps in a row a request stops speculating for a cool-down, then probes again.
 """
 
 from __future__ import annotations
@@ -97,9 +100,12 @@ class ScoredTree:
 
     tree: TokenTree
     scores: list[float]
+    """Each node's calibrated estimate: what the budget weighs."""
     confidences: list[dict[str, float]]
     cap: int
     """The request's own node cap (``max_nodes``): the batch budget never gives it more."""
+    raw_scores: list[float] | None = None
+    """The estimates before calibration (what the calibration itself is measured against)."""
 
     def select(self, keep: Sequence[int]) -> TokenTree:
         if not keep:
@@ -107,6 +113,7 @@ class ScoredTree:
         # Selecting nodes by score looks at sampled tokens' values: keep only deterministic draws.
         out = self.tree.subtree(keep).strip_q()
         out.source_scores = [self.confidences[i] for i in sorted(keep)]
+        out.expected_accepted = sum((self.raw_scores or self.scores)[i] for i in keep)
         return out
 
 
@@ -217,6 +224,29 @@ class AcceptanceStats:
         return out
 
 
+class AcceptanceCalibration:
+    """Accepted tree nodes realized over those predicted, over recent verified trees (decayed).
+
+    The per-source, per-depth rates are each learned, but a node's score combines them as if
+    sources were independent and deep nodes were as safe as the deep prior says; when that is
+    optimistic every tree the budget buys is too large, and in a batch each surplus node makes
+    every request's step longer. Scores are multiplied by this ratio (at most 1: it only backs
+    off), so the budget drafts what has really been accepted lately and stops when it does not
+    pay. Starts at 1, as if ``prior`` nodes had been predicted and accepted."""
+
+    def __init__(self, halflife: float = 64.0, prior: float = 4.0) -> None:
+        self.decay = 0.5 ** (1.0 / halflife)
+        self.predicted = self.realized = float(prior)
+
+    def record(self, predicted: float, realized: int) -> None:
+        self.predicted = self.predicted * self.decay + predicted
+        self.realized = self.realized * self.decay + realized
+
+    @property
+    def factor(self) -> float:
+        return min(1.0, self.realized / self.predicted)
+
+
 def default_aligner(tokenizer) -> TextAligner | None:
     """The aligner for the target's tokenizer; None (text proposals unusable) for a slow one."""
     if getattr(tokenizer, "backend_tokenizer", None) is None:
@@ -279,6 +309,7 @@ class CostAwareTreeBuilder:
         self.cost = CostModel(cost_curve)
         self.aligner = aligner
         self.stats = AcceptanceStats(self.config.prior, self.config.source_priors, self.config.deep_prior)
+        self.calibration = AcceptanceCalibration(self.config.calibration_halflife)
         self._requests: OrderedDict[str, _RequestState] = OrderedDict()
 
     @property
@@ -315,7 +346,9 @@ class CostAwareTreeBuilder:
             if not keep:
                 return None
             full, conf = full.subtree(keep), [conf[i] for i in keep]
-        return ScoredTree(full, self._scores(full, conf), conf, cap)
+        raw = self._scores(full, conf)
+        factor = self.calibration.factor
+        return ScoredTree(full, [x * factor for x in raw], conf, cap, raw)
 
     def _scores(self, tree: TokenTree, conf: Sequence[Mapping[str, float]]) -> list[float]:
         """P(node accepted) = P(parent accepted) * P(node | parent), siblings capped at 1.
@@ -356,6 +389,8 @@ class CostAwareTreeBuilder:
         if len(tree) == 0:
             return
         accepted = set(verdict.accepted)
+        if tree.expected_accepted is not None:
+            self.calibration.record(tree.expected_accepted, len(accepted))
         reached = {-1} | accepted  # a node was tried when its parent was accepted
         conf = tree.source_scores
         for i, parent in enumerate(tree.parents):

@@ -135,6 +135,31 @@ def test_fall_back_to_plain_decoding_after_fruitless_steps_then_probe_again():
     assert len(builder.build(props, ctx("req"))) > 0  # probing again
 
 
+@pytest.mark.parametrize("accepted_per_tree", [1, None])
+def test_the_budget_backs_off_when_trees_are_accepted_less_than_estimated(monkeypatch, accepted_per_tree):
+    """Scores are scaled by realized / predicted accepted nodes: estimates that stay optimistic
+    (here the per-source rates are frozen at their priors) shrink the trees; right ones do not."""
+    builder = CostAwareTreeBuilder({1: 1.0, 64: 1.0 + 63 * 0.2})  # each node costs a fifth of a step
+    monkeypatch.setattr(builder.stats, "record", lambda *a, **k: None)
+    props = [Proposal("a", token_ids=tuple(range(5, 17)), confidence=0.9),
+             Proposal("b", token_ids=tuple(range(5, 13)), confidence=0.6)]
+    first = builder.build(props, ctx("r0"))
+    assert len(first) >= 8 and first.expected_accepted > 4
+    for i in range(1, 80):
+        tree = builder.build(props, ctx(f"r{i}"))  # a new request each step: no fall-back cool-down
+        n = len(tree) if accepted_per_tree is None else min(accepted_per_tree, len(tree))
+        builder.observe(tree, Verdict(accepted=list(range(n)), next_token=99), ctx(f"r{i}"))
+    last = builder.build(props, ctx("last"))
+    if accepted_per_tree is None:  # every node accepted: the estimates were pessimistic, never inflated
+        assert builder.calibration.factor == 1.0 and len(last) == len(first)
+    else:
+        assert builder.calibration.factor < 0.4
+        assert len(last) < len(first) / 2
+        cand = builder.candidates(props, ctx("x"))  # the budget weighs calibrated scores; learning, raw ones
+        assert cand.scores == pytest.approx([x * builder.calibration.factor for x in cand.raw_scores])
+        assert cand.select([0, 1, 2]).expected_accepted == pytest.approx(sum(cand.raw_scores[:3]))
+
+
 @pytest.mark.parametrize("bad", [dict(max_nodes=-1), dict(prior=(0.0, 1.0)), dict(fallback_after=0),
                                  dict(source_priors={"x": (1.0, -1.0)})])
 def test_bad_builder_config_is_rejected(bad):
