@@ -27,9 +27,9 @@ VLLM_STAMP := $(VLLM_VENV)/.draftmesh-vllm-env
 
 setup: $(STAMP)
 
-# setup.py generates the gRPC stubs from the protos and builds the packed GEMM kernel
+# setup.py generates the gRPC stubs from the protos and builds the native kernels
 # (core/csrc) during the editable install.
-$(STAMP): pyproject.toml setup.py Makefile core/csrc/packed_gemm.cpp $(wildcard protos/draftmesh/v1/*.proto)
+$(STAMP): pyproject.toml setup.py Makefile $(wildcard core/csrc/*.cpp) $(wildcard protos/draftmesh/v1/*.proto)
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
 	$(PIP) install -q --upgrade pip
 	$(PIP) install -q $(TORCH_PIP_ARGS) "$(TORCH_SPEC)"

@@ -1,12 +1,13 @@
 """Generate the gRPC stubs from protos/ at build and install time (also editable installs), and
-build the packed GEMM kernel of the target's linears.
+build the native kernels of the target's forward.
 
 The stubs are not committed: `protos/draftmesh/v1/*.proto` is the only contract, and the
 generated `draftmesh.v1` modules always match the pinned grpcio-tools/protobuf.
 
-The kernel (`core/csrc/packed_gemm.cpp`, see `draftmesh.packed_linear`) is a plain shared library
-loaded with ctypes, built once per instruction set; each build is optional, so a machine without a
-C++ compiler, or another architecture, installs fine and its linears keep `F.linear`.
+The kernels (`core/csrc/`: the packed GEMM of `draftmesh.packed_linear`, the tree attention of
+`draftmesh.tree_attention`) make one plain shared library loaded with ctypes, built once per
+instruction set; each build is optional, so a machine without a C++ compiler, or another
+architecture, installs fine and its forward keeps torch's `F.linear` and SDPA.
 """
 
 from pathlib import Path
@@ -48,7 +49,7 @@ def kernel_extensions() -> list[Extension]:
     return [
         Extension(
             f"draftmesh._packed_gemm_{isa}",
-            sources=["core/csrc/packed_gemm.cpp"],
+            sources=["core/csrc/packed_gemm.cpp", "core/csrc/tree_attention.cpp"],
             language="c++",
             extra_compile_args=[*KERNEL_FLAGS, *flags, f"-DVW={vw}", f"-DNV={nv}", f"-DMRMAX={mr}"],
             extra_link_args=["-fopenmp"],

@@ -1,11 +1,14 @@
 """``python -m draftmesh.bench.forward_cost [--model M] [--rounds N]``: the batched forward's cost
-two ways, side by side in one run (interleaved rounds, medians): ``F.linear`` (the target's
-linears through torch: a second copy of the model loaded with the kernel off) and ``packed`` (the
-packed GEMM kernel of ``draftmesh.packed_linear``, today's forward). Each row of the table is a
-forward's time in ms and relative to the batch-1 one-token step of each, so the figures show both
-the shape of each cost curve and what the kernel does to the one-token step itself. Then the same
-one-token forward on the compute thread and on a second thread (``--thread-probe-only``: just
-that). The figures are in docs/batching.md and BENCHMARKS.md."""
+three ways, side by side in one run (interleaved rounds, medians): ``F.linear`` (the model's own
+modules over torch ops: a second copy of the model loaded with the packed kernel off, SDPA
+attention), ``packed`` (the same modules with the packed GEMM kernel of
+``draftmesh.packed_linear``) and ``direct`` (today's forward: the packed kernel, the direct
+decoder of ``draftmesh.direct_decoder`` and the tree attention of ``draftmesh.tree_attention``).
+Each row of the table is a forward's time in ms and relative to the batch-1 one-token step of
+each, so the figures show both the shape of each cost curve and what each step does to the
+one-token step itself. Then the same one-token forward on the compute thread and on a second
+thread (``--thread-probe-only``: just that). The figures are in docs/batching.md and
+BENCHMARKS.md."""
 
 from __future__ import annotations
 
@@ -18,7 +21,7 @@ from draftmesh import compute, packed_linear
 from draftmesh.backend import TorchTarget
 from draftmesh.batch_kv import RowInput
 
-ROUTINGS = ("F.linear", "packed")
+ROUTINGS = ("F.linear", "packed", "direct")
 
 
 def load_unpacked(model: str) -> TorchTarget:
@@ -79,15 +82,19 @@ def main(argv: list[str] | None = None) -> int:
         return 0
     if not target.packed_linears:
         parser.error("the packed GEMM kernel does not run here (see draftmesh.packed_linear): nothing to compare")
-    targets = {"F.linear": load_unpacked(args.model), "packed": target}
+    unpacked = load_unpacked(args.model)
+    direct, attention = target.direct, target.tree_attention
+    unpacked.direct = unpacked.tree_attention = None
     names = list(ROUTINGS)
     tables: dict[str, list] = {n: [] for n in names}
     units: dict[str, list[float]] = {n: [] for n in names}
     for i in range(args.rounds):
         for how in names[i % len(names):] + names[: i % len(names)]:
-            t = targets[how]
+            t = unpacked if how == "F.linear" else target
+            target.direct, target.tree_attention = (direct, attention) if how == "direct" else (None, None)
             tables[how].append(t.measure_batch_cost(rows=(1, 2, 4, 8), per_row=(1, 2, 3, 4, 8, 16, 32), repeats=3))
             units[how].append(t.batch_step_seconds)
+    target.direct, target.tree_attention = direct, attention
     base = statistics.median(units[names[0]])
     own = {n: statistics.median(units[n]) for n in names}
     print(f"forward time in ms, relative to the one-token step with F.linear, and (in brackets) to its own "

@@ -23,8 +23,10 @@ from typing import Sequence
 import torch
 from transformers import DynamicCache
 
+from draftmesh import tree_attention
 from draftmesh.batch_kv import RowInput, SlotKVCache, use_batched_attention
 from draftmesh.compute import on_compute_thread
+from draftmesh.direct_decoder import DirectDecoder
 from draftmesh.models import load_model
 from draftmesh.packed_linear import use_packed_linears
 from draftmesh.tree import TokenTree
@@ -89,6 +91,10 @@ class TorchTarget:
         use_batched_attention(model)
         self.packed_linears = use_packed_linears(model)
         """How many linears run the packed kernel (0: F.linear everywhere; see ``draftmesh.packed_linear``)."""
+        self.tree_attention = tree_attention.kernel()
+        """Attends the decode and tree rows of a batched step (``draftmesh.tree_attention``); None: SDPA."""
+        self.direct = DirectDecoder.for_model(model)
+        """The batched forward straight over the weights (``draftmesh.direct_decoder``); None: the model's own."""
         self._interrupt: tuple[int, object] | None = None
         """While a ``forward_batch`` with ``interrupt=`` runs: (its thread, the callable asked before each layer)."""
         for i, layer in enumerate(getattr(model.get_decoder(), "layers", ())):
@@ -96,10 +102,13 @@ class TorchTarget:
 
     def _layer_hook(self, index: int):
         def before_layer(module, args):
-            ask = self._interrupt
-            if ask is not None and index > 0 and ask[0] == threading.get_ident() and ask[1]():
-                raise ForwardInterrupted(index)
+            self._check_interrupt(index)
         return before_layer
+
+    def _check_interrupt(self, index: int) -> None:
+        ask = self._interrupt
+        if ask is not None and index > 0 and ask[0] == threading.get_ident() and ask[1]():
+            raise ForwardInterrupted(index)
 
     @classmethod
     @on_compute_thread
@@ -192,14 +201,18 @@ class TorchTarget:
         answers true the forward stops there with ``ForwardInterrupted`` and appends nothing (the
         scheduler's way not to make a newcomer wait for a whole prefill chunk).
         """
-        view = kv.view(inputs, self.sliding_window or None)
-        dummy = torch.zeros((1, 1, 1, 1), dtype=torch.bool, device=self.device)  # masks are the view's
-        mask = {"full_attention": dummy, "sliding_attention": dummy} if self._mask_by_layer_type else dummy
+        view = kv.view(inputs, self.sliding_window or None, self.tree_attention)
         self._interrupt = (threading.get_ident(), interrupt) if interrupt is not None else None
         try:
-            hidden = self.model.get_decoder()(
-                input_ids=view.input_ids, position_ids=view.position_ids, attention_mask=mask, cache=view, use_cache=True
-            ).last_hidden_state[0]
+            if self.direct is not None:
+                hidden = self.direct(view, self._check_interrupt)
+            else:
+                dummy = torch.zeros((1, 1, 1, 1), dtype=torch.bool, device=self.device)  # masks are the view's
+                mask = {"full_attention": dummy, "sliding_attention": dummy} if self._mask_by_layer_type else dummy
+                hidden = self.model.get_decoder()(
+                    input_ids=view.input_ids, position_ids=view.position_ids, attention_mask=mask, cache=view,
+                    use_cache=True,
+                ).last_hidden_state[0]
         finally:
             self._interrupt = None
         view.advance()

@@ -8,15 +8,17 @@ draft tree, or any chain-then-tree mix) concatenated into one sequence of T toke
 projections and MLP run over exactly T tokens, with no padding between rows.
 
 Attention is the only part that needs the rows apart. ``BatchView`` is passed to the model
-as its ``cache``: its ``update`` writes each new key/value into its row at the row's next
-slot and returns a marker instead of tensors; ``batched_attention`` (registered as the
-model's attention implementation, falling back to SDPA for any other cache) then runs SDPA
-per *group* of rows on views of the slab, no copy of the cache: one group for every row
-with a few tokens (queries padded to the group's widest row), one group per long prefill
-chunk (so a 2k-token prompt never pads the others' queries). The mask of a row lets each
-of its tokens see the row's committed cache and its own ancestors among the row's new
-tokens, nothing of another row: padded queries see only key 0 of their row, and unused
-slab memory is zeros, so no NaN or value crosses rows.
+as its ``cache`` (or to ``draftmesh.direct_decoder``): its ``update`` writes each new
+key/value into its row at the row's next slot and returns a marker instead of tensors;
+``attend`` (reached through ``batched_attention``, registered as the model's attention
+implementation, falling back to SDPA for any other cache) then attends on views of the slab,
+no copy of the cache. Rows with a few tokens (roots, trees) go to the tree attention kernel
+(``draftmesh.tree_attention``: each token reads its own row's cache and ancestors) where it
+applies, else to one SDPA *group* (queries padded to the group's widest row); each long
+prefill chunk gets an SDPA group of its own (so a 2k-token prompt never pads the others'
+queries). The mask of a row lets each of its tokens see the row's committed cache and its
+own ancestors among the row's new tokens, nothing of another row: padded queries see only
+key 0 of their row, and unused slab memory is zeros, so no NaN or value crosses rows.
 
 Why not transformers' paged cache (``generation/continuous_batching``): it packs requests
 into one ragged row too, but gathers every request's pages into one key sequence per layer
@@ -38,6 +40,8 @@ import torch.nn.functional as F
 from transformers import AttentionInterface, DynamicCache
 from transformers.integrations.sdpa_attention import sdpa_attention_forward
 from transformers.masking_utils import ALL_MASK_ATTENTION_FUNCTIONS, AttentionMaskInterface
+
+from draftmesh.tree_attention import AttentionPlan, TreeAttention
 
 ATTENTION_NAME = "draftmesh_batched"
 LONG_ROW_TOKENS = 48
@@ -218,8 +222,10 @@ class SlotKVCache:
         self.lengths[row] = base + len(keep)
 
     # ------------------------------------------------------------------ a step
-    def view(self, inputs: Sequence[RowInput], sliding_window: int | None = None) -> "BatchView":
-        return BatchView(self, inputs, sliding_window)
+    def view(self, inputs: Sequence[RowInput], sliding_window: int | None = None,
+             attention: TreeAttention | None = None) -> "BatchView":
+        """The step's plan; ``attention`` (the tree attention kernel) attends the short rows where it applies."""
+        return BatchView(self, inputs, sliding_window, attention)
 
 
 @dataclass
@@ -245,7 +251,8 @@ class _LayerRef:
 class BatchView:
     """One step's plan over a ``SlotKVCache``: where each new token goes, and the attention groups."""
 
-    def __init__(self, kv: SlotKVCache, inputs: Sequence[RowInput], sliding_window: int | None) -> None:
+    def __init__(self, kv: SlotKVCache, inputs: Sequence[RowInput], sliding_window: int | None,
+                 attention: TreeAttention | None = None) -> None:
         self.kv = kv
         rows = [i.row for i in inputs]
         if len(set(rows)) != len(rows):
@@ -272,14 +279,18 @@ class BatchView:
         self.write_rows = torch.tensor(w_rows, dtype=torch.long, device=dev)
         self.write_pos = torch.tensor(w_pos, dtype=torch.long, device=dev)
         self.logit_index = torch.tensor(need, dtype=torch.long, device=dev)
-        self.groups = self._groups(sliding_window)
+        self.native: AttentionPlan | None = None
+        """The short rows' tokens when ``draftmesh.tree_attention`` attends them (else they form a group)."""
+        self.groups = self._groups(sliding_window, attention)
 
-    def _groups(self, window: int | None) -> list[_Group]:
+    def _groups(self, window: int | None, native: TreeAttention | None) -> list[_Group]:
         kv = self.kv
         short = [(k, i) for k, i in enumerate(self.inputs) if len(i.tokens) <= LONG_ROW_TOKENS]
         long = [(k, i) for k, i in enumerate(self.inputs) if len(i.tokens) > LONG_ROW_TOKENS]
         groups = []
-        if short:
+        if short and window is None and native is not None and native.supports(kv.dtype, kv.device, kv.head_dim):
+            self.native = native.plan([(i.row, kv.lengths[i.row], self.offsets[k], i.parents) for k, i in short])
+        elif short:
             groups.append(self._group(short, 0, kv.rows, window))
         for k, inp in long:
             groups.append(self._group([(k, inp)], inp.row, inp.row + 1, window))
@@ -330,27 +341,33 @@ class BatchView:
             self.kv.lengths[inp.row] += len(inp.tokens)
 
 
+def attend(view: "BatchView", layer: int, q: torch.Tensor, scaling: float | None, sliding: bool) -> torch.Tensor:
+    """Attention of the view's T new tokens, queries ``q`` (T, Hq, D), over the slab of ``layer``:
+    SDPA per group of rows on views of the slab, each row's own mask. Returns (T, Hq, D)."""
+    keys, values = view.kv.keys[layer], view.kv.values[layer]
+    total, heads, dim = q.shape
+    out = q.new_empty((total, heads, dim))
+    if view.native is not None:
+        view.native.run(q.contiguous(), out, keys, values, scaling)
+    for g in view.groups:
+        qg = q[g.q_index].transpose(1, 2)  # (G, Hq, Q, D)
+        mask = g.sliding_mask if sliding and g.sliding_mask is not None else g.mask
+        o = F.scaled_dot_product_attention(
+            qg, keys[g.r0 : g.r1, :, : g.kmax], values[g.r0 : g.r1, :, : g.kmax],
+            attn_mask=mask, scale=scaling, enable_gqa=heads != keys.shape[1],
+        )
+        out[g.dest] = o.transpose(1, 2).reshape(-1, heads, dim)[g.src]
+    return out
+
+
 def batched_attention(module, query, key, value, attention_mask, dropout: float = 0.0, scaling=None, **kwargs):
-    """SDPA per group of rows over views of the slab; plain SDPA for any other cache."""
+    """``attend`` for the model's attention modules; plain SDPA for any other cache."""
     if not isinstance(key, _LayerRef):
         return sdpa_attention_forward(module, query, key, value, attention_mask, dropout=dropout, scaling=scaling, **kwargs)
     if kwargs.get("softcap") is not None:
         raise ValueError("batched attention does not support attention logit soft-capping")
-    view, layer = key.view, key.layer
-    keys, values = view.kv.keys[layer], view.kv.values[layer]
     sliding = kwargs.get("sliding_window") or getattr(module, "sliding_window", None)
-    q = query[0]  # (Hq, T, D)
-    heads, total, dim = q.shape
-    out = q.new_empty((total, heads, dim))
-    for g in view.groups:
-        qg = q[:, g.q_index].permute(1, 0, 2, 3)  # (G, Hq, Q, D)
-        mask = g.sliding_mask if sliding and g.sliding_mask is not None else g.mask
-        o = F.scaled_dot_product_attention(
-            qg, keys[g.r0 : g.r1, :, : g.kmax], values[g.r0 : g.r1, :, : g.kmax],
-            attn_mask=mask, scale=scaling, enable_gqa=qg.shape[1] != keys.shape[1],
-        )
-        out[g.dest] = o.permute(0, 2, 1, 3).reshape(-1, heads, dim)[g.src]
-    return out.unsqueeze(0), None
+    return attend(key.view, key.layer, query[0].transpose(0, 1), scaling, bool(sliding)).unsqueeze(0), None
 
 
 AttentionInterface.register(ATTENTION_NAME, batched_attention)

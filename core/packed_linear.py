@@ -45,7 +45,7 @@ class PackedGemm:
     def __init__(self, path: str | Path, isa: str) -> None:
         self.isa = isa
         self.path = str(path)
-        lib = ctypes.CDLL(self.path)  # CDLL releases the GIL during each call
+        lib = native_library(self.path)
         lib.dm_block_width.restype = ctypes.c_long
         lib.dm_packed_mm.restype = None
         lib.dm_packed_mm.argtypes = [ctypes.c_void_p, ctypes.c_long, ctypes.c_long, ctypes.c_void_p, ctypes.c_long,
@@ -75,6 +75,15 @@ class PackedGemm:
 
 _kernel: PackedGemm | None = None
 _looked = False
+_libraries: dict[str, ctypes.CDLL] = {}
+
+
+def native_library(path: str | Path) -> ctypes.CDLL:
+    """The native library at ``path``, loaded once (it also holds ``draftmesh.tree_attention``'s kernel)."""
+    path = str(path)
+    if path not in _libraries:
+        _libraries[path] = ctypes.CDLL(path)  # CDLL releases the GIL during each call
+    return _libraries[path]
 
 
 def cpu_isa() -> str | None:

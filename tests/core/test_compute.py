@@ -36,7 +36,7 @@ def test_set_threads_reaches_the_compute_thread():
 
 def test_requests_from_many_threads_run_their_forwards_on_the_compute_thread(tiny):
     seen: set[int] = set()
-    hook = tiny.model.get_decoder().layers[0].register_forward_pre_hook(lambda m, a: seen.add(threading.get_ident()))
+    hook = tiny.model.get_input_embeddings().register_forward_pre_hook(lambda m, a: seen.add(threading.get_ident()))
     decoder = SpeculativeDecoder(tiny)
     out: dict[int, tuple[int, ...]] = {}
 

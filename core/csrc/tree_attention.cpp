@@ -1,0 +1,108 @@
+// Attention of a step's few new tokens over their rows of the batched KV slab, fp32.
+//
+// Why: in a decode or verify step each token attends over its row's cache (a few hundred keys) and
+// its own ancestors in the row's tree. SDPA's CPU kernel pays a fixed price per call and per group
+// of rows built around it (gathering the queries into a padded batch, a mask tensor per group,
+// scattering the outputs back) that is larger than the arithmetic; measured inside a forward,
+// where the weights' stream has just evicted the cache, one call for one token over 129 keys took
+// ~0.25-0.6 ms, 30 of them per step. Here every (token, query head) is one item: read the token's
+// visible keys straight from the slab, softmax, sum the values.
+//
+// A token sees slots [0, ctx) of its row (the committed cache, and the chain of new tokens that
+// leads to it when they follow the cache directly) and then the slots listed in extra[off[i],
+// off[i+1]) (its other ancestors, and itself). The result of an item depends only on its query,
+// those keys and values and their order: a token's output is bitwise the same whatever else is in
+// the step, which rows are batched with it or how many threads run.
+//
+// Built into the same libraries as packed_gemm.cpp (VW floats per vector).
+#include <math.h>
+#include <omp.h>
+#include <vector>
+
+#ifndef VW
+#error "VW (floats per vector) is set by setup.py"
+#endif
+
+typedef float fvec __attribute__((vector_size(VW * 4), aligned(4)));
+typedef int ivec __attribute__((vector_size(VW * 4), aligned(4)));
+
+static inline fvec splat(float x) { return (fvec){} + x; }
+
+static inline float hsum(fvec v) {
+  float s = 0.f;
+  for (int i = 0; i < VW; i++) s += v[i];
+  return s;
+}
+
+// exp(x) for x <= 0 (scores minus their maximum): Cephes' expf, about 1 ulp; 0 below -87.
+static inline fvec vexp(fvec x) {
+  const fvec lo = splat(-87.0f);
+  fvec under = x < lo ? splat(0.f) : splat(1.f);
+  x = x < lo ? lo : x;
+  fvec fx = x * 1.44269504088896341f + 0.5f;
+  fvec fl = __builtin_convertvector(__builtin_convertvector(fx, ivec), fvec);
+  fl = fl > fx ? fl - 1.0f : fl;  // floor
+  ivec n = __builtin_convertvector(fl, ivec);
+  x = x - fl * 0.693359375f;
+  x = x - fl * -2.12194440e-4f;
+  fvec z = x * x;
+  fvec y = splat(1.9875691500E-4f);
+  y = y * x + 1.3981999507E-3f;
+  y = y * x + 8.3334519073E-3f;
+  y = y * x + 4.1665795894E-2f;
+  y = y * x + 1.6666665459E-1f;
+  y = y * x + 5.0000001201E-1f;
+  y = y * z + x + 1.0f;
+  ivec e = (n + 127) << 23;
+  return y * (fvec)e * under;
+}
+
+// q: T x Hq x D (contiguous); out: same shape. items: token indices to compute (into q and out).
+// keys/values: one layer's slab [rows][Hk][cap][D]. row, ctx: per item; off (n+1), extra: see above.
+extern "C" void dm_tree_attention(const float* q, float* out, long n, const long* items, long Hq, long Hk,
+                                  long D, const float* keys, const float* values, long cap, const long* row,
+                                  const long* ctx, const long* off, const long* extra, float scale,
+                                  long max_keys, int threads) {
+  const long group = Hq / Hk, nd = D / VW, work = n * Hq;
+#pragma omp parallel num_threads(threads) if (threads > 1 && work > 1)
+  {
+    std::vector<float> scores(max_keys + VW);
+#pragma omp for schedule(static)
+    for (long w = 0; w < work; w++) {
+      const long i = w / Hq, h = w % Hq, t = items[i];
+      const float* qv = q + (t * Hq + h) * D;
+      const long base = (row[i] * Hk + h / group) * cap * D;
+      const float* kr = keys + base;
+      const float* vr = values + base;
+      const long c = ctx[i], e0 = off[i], ne = off[i + 1] - e0, nk = c + ne;
+      fvec qs[16];  // D <= 16 * VW (checked by the caller)
+      for (long d = 0; d < nd; d++) qs[d] = *(const fvec*)(qv + d * VW) * scale;
+      float mx = -INFINITY;
+      for (long j = 0; j < nk; j++) {
+        const float* kj = kr + (j < c ? j : extra[e0 + j - c]) * D;
+        fvec acc = qs[0] * *(const fvec*)kj;
+        for (long d = 1; d < nd; d++) acc = qs[d] * *(const fvec*)(kj + d * VW) + acc;
+        const float s = hsum(acc);
+        scores[j] = s;
+        mx = s > mx ? s : mx;
+      }
+      for (long j = nk; j < (nk + VW - 1) / VW * VW; j++) scores[j] = -INFINITY;
+      float total = 0.f;
+      for (long j = 0; j < nk; j += VW) {
+        fvec p = vexp(*(fvec*)(scores.data() + j) - mx);
+        *(fvec*)(scores.data() + j) = p;
+        total += hsum(p);
+      }
+      fvec acc[16];
+      for (long d = 0; d < nd; d++) acc[d] = splat(0.f);
+      for (long j = 0; j < nk; j++) {
+        const float* vj = vr + (j < c ? j : extra[e0 + j - c]) * D;
+        const fvec p = splat(scores[j]);
+        for (long d = 0; d < nd; d++) acc[d] = p * *(const fvec*)(vj + d * VW) + acc[d];
+      }
+      const float inv = 1.0f / total;
+      float* o = out + (t * Hq + h) * D;
+      for (long d = 0; d < nd; d++) *(fvec*)(o + d * VW) = acc[d] * inv;
+    }
+  }
+}
