@@ -29,7 +29,7 @@ setup: $(STAMP)
 
 # setup.py generates the gRPC stubs from the protos and builds the native kernels
 # (core/csrc) during the editable install.
-$(STAMP): pyproject.toml setup.py Makefile $(wildcard core/csrc/*.cpp) $(wildcard protos/draftmesh/v1/*.proto)
+$(STAMP): pyproject.toml setup.py Makefile $(wildcard core/csrc/*.cpp core/csrc/*.h) $(wildcard protos/draftmesh/v1/*.proto)
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
 	$(PIP) install -q --upgrade pip
 	$(PIP) install -q $(TORCH_PIP_ARGS) "$(TORCH_SPEC)"

@@ -5,7 +5,7 @@ The stubs are not committed: `protos/draftmesh/v1/*.proto` is the only contract,
 generated `draftmesh.v1` modules always match the pinned grpcio-tools/protobuf.
 
 The kernels (`core/csrc/`: the packed GEMM of `draftmesh.packed_linear`, the tree attention of
-`draftmesh.tree_attention`) make one plain shared library loaded with ctypes, built once per
+`draftmesh.tree_attention`, the decoder ops of `draftmesh.direct_decoder`) make one plain shared library loaded with ctypes, built once per
 instruction set; each build is optional, so a machine without a C++ compiler, or another
 architecture, installs fine and its forward keeps torch's `F.linear` and SDPA.
 """
@@ -49,7 +49,8 @@ def kernel_extensions() -> list[Extension]:
     return [
         Extension(
             f"draftmesh._packed_gemm_{isa}",
-            sources=["core/csrc/packed_gemm.cpp", "core/csrc/tree_attention.cpp"],
+            sources=["core/csrc/packed_gemm.cpp", "core/csrc/tree_attention.cpp", "core/csrc/decoder_ops.cpp"],
+            depends=["core/csrc/vec_math.h"],
             language="c++",
             extra_compile_args=[*KERNEL_FLAGS, *flags, f"-DVW={vw}", f"-DNV={nv}", f"-DMRMAX={mr}"],
             extra_link_args=["-fopenmp"],

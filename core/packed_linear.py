@@ -109,6 +109,15 @@ def library_path(isa: str) -> Path | None:
     return None
 
 
+def native_build() -> tuple[Path, str] | None:
+    """The native library built for this CPU and its ISA, or None (no AVX2, switched off, not built)."""
+    isa = cpu_isa()
+    if isa not in LIBRARIES:
+        return None
+    path = library_path(isa)
+    return None if path is None else (path, isa)
+
+
 def kernel() -> PackedGemm | None:
     """The kernel for this CPU, loaded once; None where it does not apply (then ``F.linear``)."""
     global _kernel, _looked

@@ -111,9 +111,8 @@ def kernel() -> TreeAttention | None:
     global _kernel, _looked
     if not _looked:
         _looked = True
-        if os.environ.get(ENV, "").strip().lower() != "off":
-            isa = packed_linear.cpu_isa()
-            path = packed_linear.library_path(isa) if isa in VECTOR_FLOATS else None
-            if path is not None:
-                _kernel = TreeAttention(packed_linear.native_library(path), isa)
+        build = packed_linear.native_build()
+        if build is not None and os.environ.get(ENV, "").strip().lower() != "off":
+            path, isa = build
+            _kernel = TreeAttention(packed_linear.native_library(path), isa)
     return _kernel
