@@ -4,7 +4,7 @@
 typedef float fvec __attribute__((vector_size(VW * 4), aligned(4)));
 typedef int ivec __attribute__((vector_size(VW * 4), aligned(4)));
 
-static inline fvec splat(float x) { return (fvec){} + x; }
+static inline fvec splat(float x) { return x - (fvec){}; }  // s - 0 is s for every s: a bare broadcast
 
 static inline float hsum(fvec v) {
   float s = 0.f;
