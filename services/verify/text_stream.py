@@ -10,6 +10,10 @@ the step size. A stop string that only exists on a prefix (``"\\ufffd"`` of a ha
 character, completed by the next token of the same step) still ends the output at the
 token plain decoding ends at. Without stop strings nothing can end mid-step, so one decode
 per step (``update``) is enough.
+
+The ids that decoding skips (special tokens) are dropped as they arrive, so the window before
+the unsettled tail always holds text: a window of only skipped ids decoded to "" and the tail's
+first token lost the space its context gives it ("w20w50" for "w20 w50").
 """
 
 from __future__ import annotations
@@ -41,15 +45,27 @@ class TextStream:
         self._head = ""
         self.decoded_tokens = 0
         """Tokens handed to the tokenizer so far (what keeps a long output's stream linear)."""
+        self._skipped = skipped_ids(tokenizer)
+        self._kept: list[int] = []
+        """The generation read so far without the ids decoding skips; ``_read``/``_start`` index it."""
+        self._seen = 0
+        """Tokens of the generation read into ``_kept``."""
 
     def _decode(self, ids: Sequence[int]) -> str:
         self.decoded_tokens += len(ids)
         return self.tokenizer.decode(ids, skip_special_tokens=True)
 
-    def _text(self, ids: Sequence[int]) -> str:
-        """``decode(ids)``, from the settled text and a window over the tokens after it."""
-        if len(ids) < self._read:  # not the output this stream has seen grow: start again
+    def _keep(self, generated: Sequence[int]) -> list[int]:
+        if len(generated) < self._seen:  # not the output this stream has seen grow: start again
             self._settled, self._read, self._start, self._head = "", 0, 0, ""
+            self._kept, self._seen = [], 0
+        self._kept.extend(t for t in generated[self._seen :] if t not in self._skipped)
+        self._seen = len(generated)
+        return self._kept
+
+    def _text(self, generated: Sequence[int]) -> str:
+        """``decode(generated)``, from the settled text and a window over the tokens after it."""
+        ids = self._keep(generated)
         window = self._decode(ids[self._start :])
         if not window.startswith(self._head):
             return self._decode(ids)  # the window's head decodes differently in context: no split here
@@ -122,3 +138,11 @@ class TextStream:
             if any(s.startswith(tail) for s in self.stop):
                 return k
         return 0
+
+
+def skipped_ids(tokenizer) -> frozenset[int]:
+    """The ids ``decode(..., skip_special_tokens=True)`` leaves out: the special tokens, named or added."""
+    ids = set(getattr(tokenizer, "all_special_ids", None) or ())
+    added = getattr(tokenizer, "added_tokens_decoder", None) or {}
+    ids.update(i for i, token in added.items() if getattr(token, "special", False))
+    return frozenset(ids)

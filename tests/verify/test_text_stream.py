@@ -19,12 +19,12 @@ import pytest
 import torch
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
-from tiny_models import tiny_target
+from tiny_models import tiny_target, word_tokenizer
 
 from draftmesh.draft.base import DraftContext, Proposal
 from draftmesh.io_struct import GenerationRequest, GenerationResult
 from draftmesh.verify.decoder import SpeculativeDecoder
-from draftmesh.verify.text_stream import TextStream
+from draftmesh.verify.text_stream import WINDOW, TextStream
 from draftmesh.verify.tree_builder import TrieBuilder
 
 
@@ -244,6 +244,22 @@ def test_incremental_text_equals_decoding_everything(token_pool, data):
     stream = TextStream(tok, ())
     for n in list(range(step, len(ids), step)) + [len(ids)]:
         assert stream._text(ids[:n]) == tok.decode(ids[:n], skip_special_tokens=True), n
+
+
+@pytest.mark.parametrize("step", [1, 2, 3, 5])
+def test_a_run_of_skipped_tokens_longer_than_the_window_keeps_the_next_words_space(step):
+    """Special tokens decode to nothing: a window made only of them gave the next word no
+    context, and a word-joining decoder dropped its space ("w20w50"; seen in CI as a speculative
+    text differing from plain over the same ids)."""
+    tok = word_tokenizer(64)
+    words = ["w20"] * 4 + ["w1"] * (WINDOW + 2) + ["w50"] * 3 + ["w0"] * (2 * WINDOW) + ["w7", "w8"]
+    ids = tok.convert_tokens_to_ids(words)
+    stream = TextStream(tok, ())
+    for n in list(range(step, len(ids), step)) + [len(ids)]:
+        assert stream._text(ids[:n]) == tok.decode(ids[:n], skip_special_tokens=True), n
+    stream = TextStream(tok, ())
+    deltas = "".join(stream.update(ids[:n]) for n in list(range(step, len(ids), step)) + [len(ids)]) + stream.flush(ids)
+    assert deltas == tok.decode(ids, skip_special_tokens=True) == "w20 w20 w20 w20 w50 w50 w50 w7 w8"
 
 
 def test_stop_strings_decode_a_long_output_in_linear_time(smol_tokenizer):
