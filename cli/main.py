@@ -228,6 +228,21 @@ def cmd_serve(args: argparse.Namespace) -> int:
         done.set()
         for sig, handler in previous.items():
             signal.signal(sig, handler)
+        if state["signal"] is not None:
+            _exit_after_stop(exit_code())
+
+
+def _exit_after_stop(code: int) -> None:
+    """Leave without the interpreter's finalization once the mesh is torn down after a signal.
+
+    Finalizing with Ray's and gRPC's native threads still alive (a start interrupted inside
+    ``ray.init``/``serve.start`` leaves some) can crash: CI saw SIGSEGV instead of exit 130 after
+    "stopped while starting". Everything we own is stopped by now; spans are flushed here."""
+    if tracing.enabled():
+        tracing.flush(2.0)
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(code)
 
 
 def cmd_generate(args: argparse.Namespace) -> int:
