@@ -2,7 +2,8 @@
 
 `draftmesh bench` (``cli`` for its flags, ``run`` for the run) compares methods on one workload:
 after one short warm-up generation per method, items run in file order and, for each item,
-every method in turn (the order rotating from item to item); the whole pass is repeated N
+every method in turn (the order changing from item to item, a Williams design: each method
+runs right after every other equally often); the whole pass is repeated N
 times and each (item, method) keeps its median time, so background noise hits all methods
 alike. Each repeat starts every method from fresh state (new draft sources), so a source that
 learns from finished requests only sees earlier items of the same pass. Greedy output of every

@@ -1,5 +1,6 @@
-"""The interleaved loop: warm-up, then repeats x items x methods with the method order rotating
-from item to item, so background noise hits every method alike."""
+"""The interleaved loop: warm-up, then repeats x items x methods with the method order changing
+from item to item (a Williams design), so background noise, and what one method leaves behind
+for the next (caches, another engine's processes), hits every method alike."""
 
 from __future__ import annotations
 
@@ -13,12 +14,31 @@ from draftmesh.bench.methods import PLAIN
 WARMUP_TOKENS = 8
 
 
+def williams_order(n: int, index: int) -> list[int]:
+    """Row ``index`` of a Williams design over ``n`` methods: over a cycle of ``n`` rows (``2n`` for
+    odd ``n``) every method runs in every position, and right after every other method, equally
+    often. A plain rotation keeps the cyclic order, so one method always ran right after the same
+    other one (the single-stream bench's plain after vLLM's n-gram run, every item)."""
+    if n <= 2:
+        return [(i + index) % n for i in range(n)] if n else []
+    base, lo, hi = [0], 1, n - 1
+    while len(base) < n:
+        base.append(lo)
+        lo += 1
+        if len(base) < n:
+            base.append(hi)
+            hi -= 1
+    rows = n if n % 2 == 0 else 2 * n
+    r = index % rows
+    row = [(b + r) % n for b in base]
+    return row if r < n else row[::-1]
+
+
 def item_order(runners: Sequence[MethodRunner], shift: int) -> list[MethodRunner]:
-    """The runners rotated left by ``shift``; then a runner with ``run_after = NAME`` is moved
-    right behind runner NAME when the rotation put it first (runners sharing learned state,
-    see ``MeshRunner``)."""
-    n = len(runners)
-    order = list(runners[shift % n :]) + list(runners[: shift % n]) if n else []
+    """The runners in row ``shift`` of a Williams design (``williams_order``); then a runner with
+    ``run_after = NAME`` is moved right behind runner NAME when it came first (runners sharing
+    learned state, see ``MeshRunner``)."""
+    order = [runners[i] for i in williams_order(len(runners), shift)]
     for r in list(order):
         after = getattr(r, "run_after", None)
         names = [x.name for x in order]
