@@ -54,7 +54,9 @@ class FusedProjection:
             and (all(b is None for b in biases) or all(b is not None for b in biases))
         ):
             self.gemm = gemm
-            self.packed = torch.cat([m.packed_weight for m in self.linears])
+            parts = [m.packed_weight for m in self.linears]
+            shape = (sum(p.shape[0] for p in parts), *parts[0].shape[1:])
+            self.packed = torch.cat(parts, out=packed_linear.weight_buffer(shape))
             self.bias = None if biases[0] is None else torch.cat([b.detach() for b in biases])
             start = 0
             for m in self.linears:  # each module now multiplies by its part of the fused weights
