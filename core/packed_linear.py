@@ -106,7 +106,8 @@ def weight_buffer(shape: tuple[int, ...]) -> torch.Tensor:
     libc.munmap(start + length, base + HUGE_PAGE - start)  # the rest of the slack after the tensor
     libc.madvise(start, length, mmap.MADV_HUGEPAGE)  # refused without THP: small pages
     buffer = (ctypes.c_char * nbytes).from_address(start)
-    weakref.finalize(buffer, libc.munmap, start, length)
+    # Unmapped when the last tensor on it goes, never at exit: a daemon thread may still be reading it.
+    weakref.finalize(buffer, libc.munmap, start, length).atexit = False
     return torch.frombuffer(buffer, dtype=torch.float32, count=numel).view(shape)  # the tensor keeps buffer
 
 
