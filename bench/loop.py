@@ -19,8 +19,8 @@ def williams_order(n: int, index: int) -> list[int]:
     odd ``n``) every method runs in every position, and right after every other method, equally
     often. A plain rotation keeps the cyclic order, so one method always ran right after the same
     other one (the single-stream bench's plain after vLLM's n-gram run, every item)."""
-    if n <= 2:
-        return [(i + index) % n for i in range(n)] if n else []
+    if n == 0:
+        return []
     base, lo, hi = [0], 1, n - 1
     while len(base) < n:
         base.append(lo)

@@ -25,6 +25,7 @@ from __future__ import annotations
 import ctypes
 import importlib.machinery
 import logging
+import math
 import mmap
 import os
 import weakref
@@ -88,9 +89,7 @@ def weight_buffer(shape: tuple[int, ...]) -> torch.Tensor:
     small pages, and the kernel aligns only mappings of whole 2 MiB multiples), so every whole
     extent gets a huge page and nothing is added. Below 2 MiB, or without THP or libc's mmap, an
     ordinary tensor."""
-    numel = 1
-    for n in shape:
-        numel *= n
+    numel = math.prod(shape)
     nbytes = numel * 4
     libc = _libc()
     if nbytes < HUGE_PAGE or libc is None:
