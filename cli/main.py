@@ -145,8 +145,7 @@ def cmd_draft_serve(args: argparse.Namespace) -> int:
     extras = "".join((" with TLS" if credentials else "", " with API keys" if auth.enabled else ""))
     print(f"draft source {args.source!r} listening on {args.host}:{port}{extras}", flush=True)
     try:
-        while not stop.wait(0.5):
-            pass
+        wait_polling(stop)
     except KeyboardInterrupt:
         pass
     finally:
@@ -158,6 +157,20 @@ def cmd_draft_serve(args: argparse.Namespace) -> int:
 
 HARD_STOP_S = 20.0
 """After a stop signal, seconds beyond ``serve.drain_s`` before the process exits regardless."""
+
+SIGNAL_POLL_S = 0.5
+"""How often the main thread wakes while it waits for a stop (see ``wait_polling``)."""
+
+
+def wait_polling(event: threading.Event, poll_s: float = SIGNAL_POLL_S) -> None:
+    """Wait for ``event`` in short slices, so that the main thread runs Python's signal handlers.
+
+    The kernel may deliver SIGINT/SIGTERM to any thread of the process (Ray's and gRPC's native
+    threads are many); Python's C handler then only flags it, and a main thread blocked in an untimed
+    ``Event.wait()`` never wakes to run our handler. CI saw exactly that: Ctrl-C while streaming
+    was ignored, no drain, no watchdog, until the test killed the process."""
+    while not event.wait(poll_s):
+        pass
 
 
 def cmd_serve(args: argparse.Namespace) -> int:
@@ -218,7 +231,7 @@ def cmd_serve(args: argparse.Namespace) -> int:
         print(f"draftmesh: serving {cfg.engine.model} on {mesh.address}{tls} (gRPC draftmesh.v1.Generation{auth}){http}; "
               f"redis {mesh.config.serve.redis_url}{metrics}{traces}; ready in {mesh.started_s:.1f}s. Ctrl-C to stop.",
               flush=True)
-        stop.wait()
+        wait_polling(stop)
         print(f"draftmesh: stopping (draining for up to {cfg.serve.drain_s:g}s)", file=sys.stderr, flush=True)
         return exit_code()
     finally:
