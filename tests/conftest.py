@@ -4,6 +4,7 @@ and the session's one served mesh (``served_mesh``), whose users run last."""
 from __future__ import annotations
 
 import os
+import sys
 
 import pytest
 import torch
@@ -24,6 +25,32 @@ def pytest_collection_modifyitems(config, items):
     from served_mesh import mesh_users_last
 
     items[:] = mesh_users_last(items)
+
+
+_session_key = pytest.StashKey[pytest.Session]()
+
+
+def pytest_sessionstart(session):
+    session.config.stash[_session_key] = session
+
+
+@pytest.hookimpl(trylast=True)
+def pytest_unconfigure(config):
+    """End the run with its own exit status, without the interpreter's finalization.
+
+    By now every result and the summary are written. The session leaves native threads behind
+    (Ray's driver, gRPC servers and channels, OpenMP teams); a clean-clone CI run passed every test
+    and then died of SIGSEGV while finalizing, with the summary still in stdout's buffer. Stopping
+    here keeps the verdict the tests gave (``draftmesh serve`` ends the same way after a signal)."""
+    session = config.stash.get(_session_key, None)
+    if session is None:
+        return
+    capture = config.pluginmanager.getplugin("capturemanager")
+    if capture is not None:
+        capture.stop_global_capturing()
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(int(session.exitstatus))
 
 
 @pytest.fixture(scope="session", params=["llama", "gemma3"])
