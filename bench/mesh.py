@@ -47,8 +47,8 @@ class MeshRunner:
     (``mesh:plain``); ``True`` leaves the mesh's default speculation.
 
     Timing is client-side wall time around the whole streaming call; ``first_token_s`` is the
-    time to the first delta that carries tokens; ``steps`` the number of deltas (one per
-    target forward); draft/verify time the sum of the deltas' ``StepStats``. Per-source
+    time to the first delta that carries tokens; ``steps`` the target forwards the deltas
+    cover (one each, unless the mesh's ``serve.stream_interval`` merges steps); draft/verify time the sum of the deltas' ``StepStats``. Per-source
     accepted tokens come from the result; the API does not expose proposals, so a mesh
     run's proposal counts stay 0.
 
@@ -116,7 +116,7 @@ class MeshRunner:
             for response in call:
                 kind = response.WhichOneof("event")
                 if kind == "delta":
-                    steps += 1
+                    steps += response.delta.stats.steps or 1  # a delta may cover several (serve.stream_interval)
                     if first_token_s is None and len(response.delta.token_ids):
                         first_token_s = time.perf_counter() - t0
                     draft_ms += response.delta.stats.draft_ms

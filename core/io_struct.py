@@ -234,14 +234,44 @@ class StepRecord:
     lenient: int = 0
     """Accepted tokens that only a lossy policy let through."""
 
+    def plus(self, later: "StepRecord") -> "StepRecord":
+        """What this step and ``later`` did together: counts and times summed, failed sources once each."""
+        return StepRecord(
+            tree_size=self.tree_size + later.tree_size,
+            accepted=self.accepted + later.accepted,
+            emitted=self.emitted + later.emitted,
+            draft_s=self.draft_s + later.draft_s,
+            verify_s=self.verify_s + later.verify_s,
+            proposed_by_source=_summed(self.proposed_by_source, later.proposed_by_source),
+            nodes_by_source=_summed(self.nodes_by_source, later.nodes_by_source),
+            accepted_by_source=_summed(self.accepted_by_source, later.accepted_by_source),
+            failed_sources=tuple(dict.fromkeys((*self.failed_sources, *later.failed_sources))),
+            lenient=self.lenient + later.lenient,
+        )
+
+
+def _summed(a: Mapping[str, int], b: Mapping[str, int]) -> dict[str, int]:
+    out = dict(a)
+    for key, n in b.items():
+        out[key] = out.get(key, 0) + n
+    return out
+
 
 @dataclass(frozen=True)
 class StepEvent:
-    """One step's new tokens and the text safe to stream (possibly empty)."""
+    """New tokens and the text safe to stream (possibly empty): one step's, or, once a replica
+    coalesces them for a stream (``serve.stream_interval``), ``steps`` consecutive steps'."""
 
     token_ids: tuple[int, ...]
     text: str
     record: StepRecord
+    steps: int = 1
+    """Target forwards this event covers; ``record`` sums them."""
+
+    def then(self, later: "StepEvent") -> "StepEvent":
+        """This event followed by ``later``, as one."""
+        return StepEvent(self.token_ids + later.token_ids, self.text + later.text, self.record.plus(later.record),
+                         self.steps + later.steps)
 
 
 @dataclass(frozen=True)

@@ -80,7 +80,7 @@ class Router(HttpFace):
                 step = 0
                 async for event in self._events(req):
                     if isinstance(event, StepEvent):
-                        step += 1
+                        step += event.steps
                         call.step()
                         yield step_to_proto(step, event)
                     else:

@@ -7,10 +7,11 @@ from draftmesh.v1 import generation_pb2
 
 
 def step_to_proto(step_index: int, event: StepEvent) -> generation_pb2.GenerateResponse:
-    """One streamed delta: the step's text and tokens with its StepStats."""
+    """One streamed delta: its steps' text and tokens with their StepStats (``step_index``: the last step's)."""
     rec = event.record
     stats = generation_pb2.StepStats(
         step=step_index,
+        steps=event.steps,
         tree_nodes=rec.tree_size,
         accepted=rec.accepted,
         emitted=rec.emitted,

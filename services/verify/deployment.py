@@ -53,7 +53,8 @@ class VerifierPool:
         name = f"{socket.gethostname()}/{context.replica_id.unique_id if context else os.getpid()}"
         self._metrics = VerifierMetrics(RayMetrics(), name)
         self.replica = VerifierReplica(self._new_decoder(), name=name, factcheck_link=self._factcheck_link,
-                                       factcheck_wait_s=cfg.factcheck.wait_ms / 1000, metrics=self._metrics)
+                                       factcheck_wait_s=cfg.factcheck.wait_ms / 1000, metrics=self._metrics,
+                                       stream_interval=cfg.serve.stream_interval)
         sources = ", ".join(s.name for s in self.replica.decoder.sources)
         log.info("verifier replica %s ready: model %s, sources %s", name, cfg.engine.model, sources)
 

@@ -59,8 +59,11 @@ class VerifierReplica:
         factcheck_link: FactCheckLink | None = None,
         factcheck_wait_s: float = 2.0,
         metrics: VerifierMetrics | None = None,
+        stream_interval: int = 1,
     ) -> None:
         self.decoder = decoder
+        self.stream_interval = stream_interval
+        """Tokens a streamed StepEvent carries at least (``serve.stream_interval``): see ``run``."""
         self.name = name
         self.factcheck_link = factcheck_link
         """Annotates outputs; the decoder's flag provider is the same link (set by the deployment)."""
@@ -81,7 +84,12 @@ class VerifierReplica:
         return req.to_generation(tuple(ids))
 
     async def run(self, req: ServeRequest) -> AsyncIterator[StepEvent | GenerationResult | Rejected]:
-        """Yield ``Rejected`` (bad request), or a StepEvent per step and then the ``ServedResult``."""
+        """Yield ``Rejected`` (bad request), or StepEvents and then the ``ServedResult``.
+
+        A StepEvent per step, unless ``stream_interval`` > 1: then the first tokens go out at once (the
+        time to first token is unchanged) and later steps are merged until an event holds that many
+        tokens or the request ends. Every event crosses the router, Serve's proxy and the gateway, each
+        a Python process taking CPU from the forward; metrics still count every step."""
         try:
             gen_req = self.to_generation_request(req)
             self.decoder.validate(gen_req)
@@ -126,6 +134,8 @@ class VerifierReplica:
         thread = threading.Thread(target=work, name=f"decode-{req.request_id[:8]}", daemon=True)
         thread.start()
         outcome = "cancelled"
+        pending: StepEvent | None = None  # steps not streamed yet (stream_interval)
+        streamed = False  # whether tokens have gone out
         try:
             while True:
                 item = await queue.get()
@@ -142,8 +152,16 @@ class VerifierReplica:
                     self._count(steps=1, tokens=len(item.token_ids))
                     if self.metrics is not None:
                         self.metrics.step(item.record)
+                    pending = item if pending is None else pending.then(item)
+                    if streamed and len(pending.token_ids) < self.stream_interval:
+                        continue
+                    streamed = streamed or bool(pending.token_ids)
+                    item, pending = pending, None
                 else:
                     outcome = "served"
+                    if pending is not None:
+                        yield pending
+                        pending = None
                 yield item
         finally:
             cancel.set()

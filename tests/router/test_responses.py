@@ -81,3 +81,16 @@ def test_plain_result():
     assert out.usage.steps == 2 and out.mean_accepted_per_step == 1.0 and len(out.sources) == 0
     assert out.lossless and out.policy == "exact" and out.finish_reason == "length"
     assert out.usage.cached_prompt_tokens == 0 and not out.HasField("factcheck")
+
+
+def test_a_delta_covering_several_steps_carries_their_sums():
+    first, second, third = (StepEvent(token_ids=(i,), text=f" w{i}", record=r) for i, r in enumerate(records()))
+    merged = first.then(second).then(third)
+    assert (merged.token_ids, merged.text, merged.steps) == ((0, 1, 2), " w0 w1 w2", 3)
+    s = step_to_proto(9, merged).delta.stats
+    assert (s.step, s.steps, s.tree_nodes, s.accepted, s.emitted) == (9, 3, 12, 5, 8)
+    assert s.draft_ms == pytest.approx(3.5, rel=1e-5) and s.verify_ms == pytest.approx(145.0, rel=1e-5)
+    assert dict(s.accepted_by_source) == {"history": 3, "rag": 2}
+    assert list(s.failed_sources) == ["llm"]
+    assert merged.record.nodes_by_source == {"history": 5, "rag": 7} and merged.record.lenient == 1
+    assert step_to_proto(1, first).delta.stats.steps == 1

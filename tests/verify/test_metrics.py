@@ -131,3 +131,46 @@ def test_replica_reports_the_bounded_caches_sizes(llama, redis_server):
     assert backend.value("draftmesh_redis_used_bytes", **tags) > 0
     assert backend.value("draftmesh_rag_index_bytes", **tags) == 0  # the request's index was freed at its end
     assert backend.value("draftmesh_session_kv_bytes", **tags) > 0  # the session's KV stays pooled
+
+
+def expected_sizes(step_tokens: list[int], interval: int) -> list[int]:
+    """The rule, stated on token counts: the first step alone, then steps merged until >= interval."""
+    sizes, pending = [step_tokens[0]], 0
+    for n in step_tokens[1:]:
+        pending += n
+        if pending >= interval:
+            sizes.append(pending)
+            pending = 0
+    return sizes + ([pending] if pending else [])
+
+
+@pytest.mark.parametrize("drafts,interval", [(False, 2), (False, 4), (True, 6), (True, 64)])
+def test_a_stream_interval_merges_steps_into_fewer_events_with_the_same_tokens_and_metrics(llama, drafts, interval):
+    """``serve.stream_interval``: the first tokens go out at once, later steps are merged until an event
+    holds ``interval`` tokens or the request ends; tokens, text and the result are those of one event per
+    step, and the metrics still count every step."""
+    req = ServeRequest("r1", prompt="w5 w6 w7 w8", max_new_tokens=20)
+    reference = run(VerifierReplica(SpeculativeDecoder(llama)), req)[-1].result.token_ids
+
+    def decoder():
+        if not drafts:
+            return SpeculativeDecoder(llama)
+        return SpeculativeDecoder(llama, [Oracle(reference[:9])], TrieBuilder(max_nodes=4))  # drafts, then none
+
+    one = run(VerifierReplica(decoder()), req)
+    backend = MemoryMetrics()
+    merged = run(VerifierReplica(decoder(), name="r0", metrics=VerifierMetrics(backend, "r0"), stream_interval=interval), req)
+    per_step = [e for e in one if isinstance(e, StepEvent)]
+    deltas = [e for e in merged if isinstance(e, StepEvent)]
+    assert all(e.steps == 1 for e in per_step) and len(per_step) > 3
+    assert merged[-1].result.token_ids == one[-1].result.token_ids == reference
+    assert tuple(t for e in deltas for t in e.token_ids) == reference
+    assert "".join(e.text for e in deltas) == "".join(e.text for e in per_step)
+    assert deltas[0].token_ids == per_step[0].token_ids  # the first tokens were not held back
+    assert [len(e.token_ids) for e in deltas] == expected_sizes([len(e.token_ids) for e in per_step], interval)
+    assert len(deltas) < len(per_step)
+    assert sum(e.steps for e in deltas) == len(per_step) == backend.value("draftmesh_steps", replica="r0")
+    assert sum(e.record.emitted for e in deltas) == len(reference)
+    accepted = sum(e.record.accepted_by_source.get("oracle", 0) for e in deltas)
+    assert accepted == sum(e.record.accepted_by_source.get("oracle", 0) for e in per_step)
+    assert (accepted > 0) == drafts
