@@ -321,6 +321,7 @@ def open_mesh(
         "memory": None,
         "mesh_state_reset": True,
         "config": {"model": cfg.engine.model, "threads": cfg.engine.threads, "max_nodes": cfg.builder.max_nodes,
-                   "verifier_replicas": cfg.serve.verifier_replicas, "session_cache_size": cfg.serve.session_cache_size},
+                   "verifier_replicas": cfg.serve.verifier_replicas, "session_cache_size": cfg.serve.session_cache_size,
+                   "stream_interval": cfg.serve.stream_interval},
     }
     return runners, info, mesh_process_memory
