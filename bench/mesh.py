@@ -48,9 +48,9 @@ class MeshRunner:
 
     Timing is client-side wall time around the whole streaming call; ``first_token_s`` is the
     time to the first delta that carries tokens; ``steps`` the target forwards the deltas
-    cover (one each, unless the mesh's ``serve.stream_interval`` merges steps); draft/verify time the sum of the deltas' ``StepStats``. Per-source
-    accepted tokens come from the result; the API does not expose proposals, so a mesh
-    run's proposal counts stay 0.
+    cover (one each, unless the mesh's ``serve.stream_interval`` merges steps); draft/verify
+    time the sum of the deltas' ``StepStats``. Per-source accepted tokens come from the
+    result; the API does not expose proposals, so a mesh run's proposal counts stay 0.
 
     ``reset`` calls ``resetter`` (given when the bench owns the mesh: see ``OwnMeshState``).
     ``session_suffix`` keeps this method's sessions apart from another mesh method's on the
