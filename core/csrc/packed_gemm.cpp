@@ -31,9 +31,7 @@ typedef float vec_u __attribute__((vector_size(VW * 4), aligned(4)));
 // AVX-512 box every 8-row pass after the first read it from memory again (64 rows cost 4.4x, and
 // one row 1.6x, what they cost with prefetcht0 over 1 GB of weights).
 #define PREFETCH_HINT 3
-#ifndef RUNS_PER_THREAD
-#define RUNS_PER_THREAD 4
-#endif
+#define RUNS_PER_THREAD 4  // runs of weight blocks handed out per thread (see dm_packed_mm)
 
 extern "C" long dm_block_width(void) { return NB; }
 
@@ -73,7 +71,8 @@ extern "C" void dm_packed_mm(const float* x, long M, long K, const float* p, lon
   // Tiles in block-major order, handed out in contiguous runs of blocks, a few runs per thread, to
   // whichever thread is free: a thread the OS preempts (a router, a proxy or a client sharing the
   // cores) delays the product by one run, not by its whole static half.
-  const long run = tiles / (threads * RUNS_PER_THREAD) > 1 ? tiles / (threads * RUNS_PER_THREAD) : 1;
+  long run = tiles / (threads * RUNS_PER_THREAD);
+  if (run < 1) run = 1;
 #pragma omp parallel for schedule(dynamic, run) num_threads(threads) if (threads > 1 && tiles > 1)
   for (long t = 0; t < tiles; t++) {
     const long b = t / panels, m1 = (t % panels) * MPANEL, m2 = m1 + MPANEL < M ? m1 + MPANEL : M;
