@@ -71,6 +71,10 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     )
     parser.add_argument("--json", metavar="OUT.json", default=None, help="write the full results as JSON")
     parser.add_argument("--plot", metavar="OUT.png", default=None, help="write a PNG chart (needs matplotlib)")
+    parser.add_argument(
+        "--kinds", default=None, metavar="LIST",
+        help="only the items of these kinds (comma-separated, e.g. grounded,rag), before --limit",
+    )
     parser.add_argument("--limit", type=positive_int, default=None, metavar="N", help="only the first N items")
     parser.add_argument(
         "--max-new-tokens", type=positive_int, default=None, metavar="N",
@@ -80,7 +84,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         "--concurrency", default=None, metavar="LIST",
         help="e.g. 1,2,4,8,16: a closed-loop load test instead of the single-stream comparison; per C and method "
              "(plain-serial, plain, draftmesh) aggregate tokens/s, p50/p95 latency and time to first token, batch rows "
-             "and tokens per forward",
+             "and tokens per forward; with --target mesh: plain-serial and the mesh methods, plus the in-process "
+             "plain and draftmesh if --methods names them (each mesh method over its in-process twin, same run)",
     )
     parser.add_argument(
         "--prefill-probe-tokens", type=int, default=2048, metavar="N",

@@ -30,6 +30,7 @@ from dataclasses import dataclass, field
 from typing import Any, Callable, Iterator, Mapping, Sequence
 
 from draftmesh.bench.items import PreparedItem
+from draftmesh.bench.methods import MESH_PAIRS
 from draftmesh.bench.report import fmt
 from draftmesh.config import BuilderConfig, EngineConfig
 from draftmesh.io_struct import GenerationRequest, GenerationResult, StepEvent
@@ -284,6 +285,25 @@ def run_concurrency(target, items: Sequence[PreparedItem], levels: Sequence[int]
     return out
 
 
+def mesh_ratios(rows: Sequence[Mapping[str, Any]]) -> dict[str, dict[int, float]]:
+    """Per mesh method whose in-process twin ran in the same report (``MESH_PAIRS``): its
+    tokens/s over the twin's, per C. Only a same-run ratio says what the mesh costs."""
+    tps = {(r["method"], r["concurrency"]): r["tokens_per_s"] for r in rows}
+    out: dict[str, dict[int, float]] = {}
+    for mesh, local in MESH_PAIRS:
+        for (m, c), v in sorted(tps.items(), key=lambda kv: kv[0][1]):
+            if m == mesh and tps.get((local, c)):
+                out.setdefault(mesh, {})[c] = v / tps[(local, c)]
+    return out
+
+
+def mesh_ratio_lines(rows: Sequence[Mapping[str, Any]]) -> list[str]:
+    ratios = mesh_ratios(rows)
+    lines = [f"{mesh} / {local} (same run): " + ", ".join(f"{v:.2f}x at C={c}" for c, v in ratios[mesh].items())
+             for mesh, local in MESH_PAIRS if mesh in ratios]
+    return ["", *lines] if lines else []
+
+
 def format_concurrency(report: dict[str, Any]) -> str:
     lines = ["", "Concurrency (closed loop; aggregate completion tokens/s, medians over repeats)", ""]
     head = (f"{'C':>3} {'method':<15} {'tok/s':>8} {'x serial':>9} {'p50 s':>7} {'p95 s':>7} {'ttft50':>7} "
@@ -303,6 +323,7 @@ def format_concurrency(report: dict[str, Any]) -> str:
         lines += ["", f"Prefill probe: a short request's time to first token {1e3 * probe['ttft_alone_s']:.0f} ms alone, "
                       f"{1e3 * probe['ttft_beside_long_prefill_s']:.0f} ms while a {probe['long_prompt_tokens']}-token prompt "
                       f"prefills in chunks of {probe['prefill_chunk']} ({probe['ratio']:.2f}x)"]
+    lines += mesh_ratio_lines(report["rows"])
     if report.get("note"):
         lines += ["", report["note"]]
     lines.append(f"KV per token: {report['kv_bytes_per_token']} bytes")

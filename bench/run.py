@@ -24,6 +24,7 @@ from draftmesh.bench.concurrency import (
     PLAIN_SERIAL,
     concurrency_methods,
     format_concurrency,
+    mesh_ratios,
     plot_concurrency,
     run_concurrency,
 )
@@ -52,7 +53,7 @@ from draftmesh.bench.vllm_runner import (
     our_engine_startup,
     start_vllm,
 )
-from draftmesh.bench.workload import WorkloadError, load_workload
+from draftmesh.bench.workload import WorkloadError, items_of_kinds, load_workload
 from draftmesh.config import config_from_args
 
 
@@ -99,6 +100,11 @@ def run(args: argparse.Namespace) -> int:
             tls_ca = Path(opt("tls_ca")).expanduser().read_bytes()
         except OSError as exc:
             return _error(f"--tls-ca: cannot read {opt('tls_ca')}: {exc.strerror or exc}")
+    if opt("kinds") is not None:
+        try:
+            items = items_of_kinds(items, opt("kinds"))
+        except ValueError as exc:
+            return _error(str(exc))
     if opt("limit"):
         items = items[: opt("limit")]
     repeats = opt("repeats") or 3
@@ -266,9 +272,12 @@ def _run_concurrency(args, cfg, target, prepared, threads: int, tls_ca: bytes | 
                 return make
 
             loads = {r.name: fresh(r) for r in mesh_runners}
-            methods = [PLAIN_SERIAL, *loads, *([VLLM_CONCURRENT] if VLLM_CONCURRENT in methods else [])]
-            note = (f"{PLAIN_SERIAL} runs in-process (the reference: batch-1 plain decoding); "
-                    f"{', '.join(loads)} through the mesh's gRPC face at {info['address']}")
+            # in-process methods named in --methods run in the same run, beside the mesh, so that
+            # each mesh method has its in-process twin measured under the same conditions
+            local = [m for m in methods if m not in (PLAIN_SERIAL, VLLM_CONCURRENT)] if opt("methods") else []
+            methods = [PLAIN_SERIAL, *local, *loads, *([VLLM_CONCURRENT] if VLLM_CONCURRENT in methods else [])]
+            note = (f"{', '.join([PLAIN_SERIAL, *local])} run in-process ({PLAIN_SERIAL}: the reference, batch-1 "
+                    f"plain decoding); {', '.join(loads)} through the mesh's gRPC face at {info['address']}")
         if VLLM_CONCURRENT in methods:
             try:
                 worker = start_vllm(find_vllm_python(opt("vllm_python")), local_model_folder(cfg.engine.model),
@@ -288,6 +297,8 @@ def _run_concurrency(args, cfg, target, prepared, threads: int, tls_ca: bytes | 
     if note:
         report["note"] = note
         report["target"] = "mesh"
+        report["mesh_vs_local"] = {m: {str(c): round(v, 3) for c, v in per_c.items()}
+                                   for m, per_c in mesh_ratios(report["rows"]).items()}
     report["meta"] = {"date": datetime.now(timezone.utc).isoformat(timespec="seconds"),
                       "command": opt("command_line") or command_line("draftmesh bench"), "machine": machine_info(),
                       "model": cfg.engine.model, "threads": threads, "dtype": str(target.dtype).replace("torch.", ""),

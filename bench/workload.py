@@ -164,6 +164,18 @@ def load_workload(path: str | Path) -> list[WorkItem]:
     return parse_workload(text.splitlines(), source=str(path))
 
 
+def items_of_kinds(items: Sequence[WorkItem], kinds: str) -> list[WorkItem]:
+    """The items whose ``kind`` is in the comma-separated ``kinds``, in workload order (``--kinds``):
+    a kind no item has is a ValueError naming it and the kinds there are, not an empty run."""
+    wanted = list(dict.fromkeys(k.strip() for k in kinds.split(",") if k.strip()))
+    present = sorted({it.kind for it in items})
+    missing = [k for k in wanted if k not in present]
+    if not wanted or missing:
+        raise ValueError(f"--kinds: no item of kind {', '.join(missing) or '(none given)'} in the workload; "
+                         f"its kinds: {', '.join(present)}")
+    return [it for it in items if it.kind in wanted]
+
+
 def render_prompt_ids(item: WorkItem, tokenizer) -> list[int]:
     """The prompt token ids, rendered exactly as ``draftmesh run`` does (``draftmesh.prompts``):
     ``messages`` through the model's chat template (a plain transcript for models without

@@ -9,6 +9,7 @@ import pytest
 from bench_args import parse, workload_file
 from tiny_models import tiny_target
 
+from draftmesh.bench.concurrency import mesh_ratio_lines, mesh_ratios
 from draftmesh.bench.run import run
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -53,6 +54,34 @@ def test_concurrency_usage_errors_are_clean(tmp_path, capsys):
     args.model = target
     assert run(args) == 2
     assert "unknown nope" in capsys.readouterr().err
+    args = parse([*common, "--kinds", "grounded,rag"])
+    args.model = target
+    assert run(args) == 2
+    assert "--kinds: no item of kind rag in the workload; its kinds: grounded, open" in capsys.readouterr().err
+
+
+def test_concurrency_kinds_runs_only_those_items(tmp_path, capsys):
+    target = tiny_target("llama", vocab_size=64, dtype=__import__("torch").float32)
+    out_json = tmp_path / "c.json"
+    args = parse(["--workload", str(workload_file(tmp_path, n=5, max_new_tokens=6)), "--concurrency", "2",
+                  "--kinds", "grounded", "--methods", "plain-serial,plain", "--repeats", "1", "--threads", "1",
+                  "--json", str(out_json), "--prefill-probe-tokens", "0", "--no-progress"])
+    args.model = target
+    assert run(args) == 0
+    assert "3 items" in capsys.readouterr().out  # items 0, 2 and 4 of the file are grounded
+    data = json.loads(out_json.read_text())
+    assert data["meta"]["workload"]["items"] == 3
+    assert all(r["outputs"] == 3 == r["identical_to_plain_serial"] for r in data["rows"])
+
+
+def test_mesh_ratios_pair_each_mesh_method_with_its_in_process_twin():
+    rows = [{"method": m, "concurrency": c, "tokens_per_s": v} for m, c, v in [
+        ("plain-serial", 1, 30.0), ("draftmesh", 1, 40.0), ("mesh:draftmesh", 1, 36.0), ("mesh:plain", 1, 25.0),
+        ("draftmesh", 8, 100.0), ("mesh:draftmesh", 8, 95.0), ("mesh:plain", 8, 70.0)]]
+    # mesh:plain has no in-process plain here: no ratio for it rather than one against another method
+    assert mesh_ratios(rows) == {"mesh:draftmesh": {1: 0.9, 8: 0.95}}
+    assert mesh_ratio_lines(rows) == ["", "mesh:draftmesh / draftmesh (same run): 0.90x at C=1, 0.95x at C=8"]
+    assert mesh_ratio_lines(rows[:2]) == []
 
 
 @pytest.mark.slow
@@ -64,6 +93,7 @@ def test_concurrency_through_the_mesh(mesh, tmp_path, capsys):
     out_json = tmp_path / "c.json"
     args = parse(["--workload", str(ROOT / "bench" / "public.jsonl"), "--target", "mesh", "--addr", mesh.address,
                   "--api-key", API_KEY, "--concurrency", "1,2", "--limit", "2", "--max-new-tokens", "12",
+                  "--methods", "plain-serial,draftmesh",
                   "--repeats", "1", "--threads", "2", "--json", str(out_json), "--prefill-probe-tokens", "0",
                   "--no-progress"])
     code = run(args)
@@ -71,7 +101,10 @@ def test_concurrency_through_the_mesh(mesh, tmp_path, capsys):
     assert code == 0, printed
     assert "through the mesh's gRPC face" in printed
     data = json.loads(out_json.read_text())
-    assert data["target"] == "mesh" and data["methods"] == ["plain-serial", "mesh:plain", "mesh:draftmesh"]
+    # the in-process draftmesh named in --methods runs in the same run, beside its mesh twin
+    assert data["target"] == "mesh" and data["methods"] == ["plain-serial", "draftmesh", "mesh:plain", "mesh:draftmesh"]
+    assert set(data["mesh_vs_local"]) == {"mesh:draftmesh"} and set(data["mesh_vs_local"]["mesh:draftmesh"]) == {"1", "2"}
+    assert "mesh:draftmesh / draftmesh (same run): " in printed
     rows = {(r["method"], r["concurrency"]): r for r in data["rows"]}
     assert set(rows) == {(m, c) for m in data["methods"] for c in (1, 2)}
     for r in rows.values():

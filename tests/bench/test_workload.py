@@ -8,7 +8,14 @@ from pathlib import Path
 
 import pytest
 
-from draftmesh.bench.workload import WorkItem, WorkloadError, load_workload, parse_workload, render_prompt_ids
+from draftmesh.bench.workload import (
+    WorkItem,
+    WorkloadError,
+    items_of_kinds,
+    load_workload,
+    parse_workload,
+    render_prompt_ids,
+)
 
 PUBLIC = Path(__file__).resolve().parents[2] / "bench" / "public.jsonl"
 
@@ -228,3 +235,20 @@ def test_public_repeats_ask_an_earlier_question_again():
         else:
             other += 1
     assert same_session and other  # both kinds of repetition are exercised
+
+
+def test_items_of_kinds_keeps_the_named_kinds_in_order():
+    items = load_workload(PUBLIC)
+    grounded = items_of_kinds(items, "grounded")
+    assert grounded and all(i.kind == "grounded" for i in grounded)
+    assert len(grounded) == sum(i.kind == "grounded" for i in items)
+    two = items_of_kinds(items, " rag , grounded,rag")
+    assert [i.id for i in two] == [i.id for i in items if i.kind in ("rag", "grounded")]
+
+
+@pytest.mark.parametrize("kinds, needle", [("nope", "no item of kind nope"), ("grounded,nope", "kind nope"),
+                                           (" , ", "(none given)")])
+def test_items_of_kinds_names_a_kind_no_item_has(kinds, needle):
+    with pytest.raises(ValueError) as err:
+        items_of_kinds(load_workload(PUBLIC), kinds)
+    assert needle in str(err.value) and "its kinds: grounded, open, rag, repeat" in str(err.value)
