@@ -29,7 +29,7 @@ import tempfile
 import time
 from pathlib import Path
 from types import TracebackType
-from typing import Sequence
+from typing import Callable, Sequence
 
 from draftmesh.net import free_port
 
@@ -63,13 +63,42 @@ def server_version() -> str | None:
 
 
 def _die_with_parent() -> None:
-    """In the child: get SIGTERM when our parent dies, even by SIGKILL, so a killed
-    `draftmesh serve` or bench never leaves an orphan redis-server behind. (Linux sends it
-    when the starting *thread* exits: start EmbeddedRedis from a long-lived thread.)"""
+    """In the child: get SIGTERM when our parent dies, even by SIGKILL. Only where util-linux's
+    ``setpriv`` is missing (``dying_with_parent``)."""
     import ctypes
 
     PR_SET_PDEATHSIG = 1
     ctypes.CDLL(None, use_errno=True).prctl(PR_SET_PDEATHSIG, signal.SIGTERM)
+
+
+def dying_with_parent(command: Sequence[str], *, nice: int = 0) -> tuple[list[str], Callable[[], None] | None]:
+    """``command`` started so that it gets SIGTERM when its parent dies, even by SIGKILL (a killed
+    `draftmesh serve` or bench leaves no orphan redis-server or fact-check worker), at niceness
+    ``nice``; and the ``preexec_fn`` that still needs, if any. Linux sends the signal when the
+    starting *thread* exits: start children from a long-lived thread.
+
+    ``setpriv --pdeathsig`` (util-linux, on every Debian/Ubuntu) and ``nice`` set it up and exec
+    the program, so no Python runs between fork and exec. A ``preexec_fn`` makes Python fork the
+    whole process and run every fork handler in the child, gRPC's included: with gRPC threads busy
+    in the parent (a mesh starting beside gRPC clients) that once killed the child before
+    redis-server ran (CI: "redis-server exited at startup", its log only gRPC's ``epoll_wait
+    error: Bad file descriptor``). Without ``setpriv``, a ``preexec_fn`` does it as before."""
+    command = list(command)
+    setpriv = shutil.which("setpriv") if sys.platform == "linux" else None
+    niced = shutil.which("nice") if nice else None
+    if sys.platform != "linux" or setpriv is None or (nice and niced is None):
+        if sys.platform != "linux" and not nice:
+            return command, None
+
+        def setup() -> None:
+            if sys.platform == "linux":
+                _die_with_parent()
+            if nice:
+                os.nice(nice)
+
+        return command, setup
+    prefix = [niced, "-n", str(nice)] if nice else []
+    return [setpriv, "--pdeathsig", "TERM", "--", *prefix, *command], None
 
 
 def _answers_ping(host: str, port: int) -> bool:
@@ -132,12 +161,13 @@ class EmbeddedRedis:
         assert self._dir is not None
         self.port = free_port(self.host)
         # The log is appended across attempts and kept until stop(), so errors can quote it.
+        command, setup = dying_with_parent(
+            [self.binary, "--port", str(self.port), "--bind", self.host, "--dir", str(self._dir),
+             "--save", "", "--appendonly", "no", "--daemonize", "no", *self.extra_args])
         with open(self._dir / "redis.log", "ab") as log:
             self._proc = subprocess.Popen(
-                [self.binary, "--port", str(self.port), "--bind", self.host, "--dir", str(self._dir),
-                 "--save", "", "--appendonly", "no", "--daemonize", "no", *self.extra_args],
-                cwd=self._dir, stdin=subprocess.DEVNULL, stdout=log, stderr=subprocess.STDOUT,
-                preexec_fn=_die_with_parent if sys.platform == "linux" else None,
+                command, cwd=self._dir, stdin=subprocess.DEVNULL, stdout=log, stderr=subprocess.STDOUT,
+                preexec_fn=setup,
             )  # fmt: skip
         deadline = time.monotonic() + self.startup_timeout_s
         while time.monotonic() < deadline:

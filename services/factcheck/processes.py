@@ -25,7 +25,7 @@ import yaml
 
 from draftmesh.config import FactCheckConfig
 from draftmesh.factcheck.protocol import StreamNames, as_str
-from draftmesh.redis_server import _die_with_parent
+from draftmesh.redis_server import dying_with_parent
 
 log = logging.getLogger(__name__)
 
@@ -70,14 +70,10 @@ class WorkerProcesses:
             cmd = [self.python, "-m", "draftmesh.factcheck.worker", "--config", str(path), "--name", name,
                    *self.extra_args]
             self.names.append(name)
-            self.procs.append(subprocess.Popen(cmd, env=env, preexec_fn=self._child_setup))
+            cmd, setup = dying_with_parent(cmd, nice=self.nice)
+            self.procs.append(subprocess.Popen(cmd, env=env, preexec_fn=setup))
         log.info("started %d fact-check worker(s) with %s", self.count, self.python)
         return self
-
-    def _child_setup(self) -> None:
-        _die_with_parent()
-        if self.nice:
-            os.nice(self.nice)
 
     def wait_ready(self, timeout_s: float = 60.0) -> None:
         """Until every worker has joined the consumer group (it reads once its checks are loaded)."""
