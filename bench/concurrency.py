@@ -152,12 +152,16 @@ def run_pass(load, method: str, items: Sequence[PreparedItem], concurrency: int)
         raise errors[0]
     after = load.batch_stats()
     batch: dict[str, Any] = {"forwards": None, "mean_rows": None, "mean_tokens_per_forward": None,
-                             "speculating_share": None, "kv_bytes_allocated": None}
+                             "speculating_share": None, "kv_bytes_allocated": None, "step_ms": None, "forward_ms": None}
     if before is not None and after is not None:  # (a mesh not started by the bench: not visible)
-        steps, rows, toks, spec = (after[k] - before[k] for k in ("steps", "forward_rows", "forward_tokens", "drafted_rows"))
+        steps, rows, toks, spec, step_s, forward_s = (
+            after[k] - before[k] for k in ("steps", "forward_rows", "forward_tokens", "drafted_rows", "step_s", "forward_s"))
         batch = {"forwards": steps, "mean_rows": rows / steps if steps else 0.0,
                  "mean_tokens_per_forward": toks / steps if steps else 0.0,
-                 "speculating_share": spec / rows if rows else 0.0, "kv_bytes_allocated": after["kv_bytes_allocated"]}
+                 "speculating_share": spec / rows if rows else 0.0, "kv_bytes_allocated": after["kv_bytes_allocated"],
+                 # a step's time, and the forward's part of it: the rest is drafting, accepting, emitting
+                 # and whatever else holds the replica's GIL (through the mesh: its event loop)
+                 "step_ms": 1e3 * step_s / steps if steps else 0.0, "forward_ms": 1e3 * forward_s / steps if steps else 0.0}
     return PassResult(method, concurrency, seconds, tokens[0], latencies, first, outputs, batch)
 
 
@@ -270,6 +274,8 @@ def run_concurrency(target, items: Sequence[PreparedItem], levels: Sequence[int]
             "mean_tokens_per_forward": _median(p.batch.get("mean_tokens_per_forward") for p in passes),
             "speculating_share": _median(p.batch.get("speculating_share") for p in passes),
             "kv_bytes_allocated": _max(p.batch.get("kv_bytes_allocated") for p in passes),
+            "step_ms": _median(p.batch.get("step_ms") for p in passes),
+            "forward_ms": _median(p.batch.get("forward_ms") for p in passes),
             "identical_to_plain_serial": same, "outputs": total,
         })
     rows.sort(key=lambda r: (r["concurrency"], methods.index(r["method"])))
@@ -307,7 +313,7 @@ def mesh_ratio_lines(rows: Sequence[Mapping[str, Any]]) -> list[str]:
 def format_concurrency(report: dict[str, Any]) -> str:
     lines = ["", "Concurrency (closed loop; aggregate completion tokens/s, medians over repeats)", ""]
     head = (f"{'C':>3} {'method':<15} {'tok/s':>8} {'x serial':>9} {'p50 s':>7} {'p95 s':>7} {'ttft50':>7} "
-            f"{'ttft95':>7} {'rows':>5} {'tok/fwd':>7} {'spec':>5} {'same':>7}")
+            f"{'ttft95':>7} {'rows':>5} {'tok/fwd':>7} {'spec':>5} {'step ms':>7} {'fwd ms':>6} {'same':>7}")
     lines.append(head)
     serial = {r["concurrency"]: r["tokens_per_s"] for r in report["rows"] if r["method"] == PLAIN_SERIAL}
     for r in report["rows"]:
@@ -317,6 +323,7 @@ def format_concurrency(report: dict[str, Any]) -> str:
             f"{r['concurrency']:>3} {r['method']:<15} {r['tokens_per_s']:>8.1f} {ratio:>9} {r['latency_p50_s']:>7.2f} "
             f"{r['latency_p95_s']:>7.2f} {r['ttft_p50_s']:>7.3f} {r['ttft_p95_s']:>7.3f} {fmt(r['mean_rows'], '.2f'):>5} "
             f"{fmt(r['mean_tokens_per_forward']):>7} {fmt(r['speculating_share'], '.2f'):>5} "
+            f"{fmt(r.get('step_ms')):>7} {fmt(r.get('forward_ms')):>6} "
             f"{r['identical_to_plain_serial']:>3}/{r['outputs']:<3}")
     probe = report.get("prefill_probe")
     if probe:
