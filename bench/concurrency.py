@@ -152,16 +152,18 @@ def run_pass(load, method: str, items: Sequence[PreparedItem], concurrency: int)
         raise errors[0]
     after = load.batch_stats()
     batch: dict[str, Any] = {"forwards": None, "mean_rows": None, "mean_tokens_per_forward": None,
-                             "speculating_share": None, "kv_bytes_allocated": None, "step_ms": None, "forward_ms": None}
+                             "speculating_share": None, "kv_bytes_allocated": None,
+                             "step_ms": None, "forward_ms": None}
     if before is not None and after is not None:  # (a mesh not started by the bench: not visible)
-        steps, rows, toks, spec, step_s, forward_s = (
-            after[k] - before[k] for k in ("steps", "forward_rows", "forward_tokens", "drafted_rows", "step_s", "forward_s"))
+        keys = ("steps", "forward_rows", "forward_tokens", "drafted_rows", "step_s", "forward_s")
+        steps, rows, toks, spec, step_s, forward_s = (after[k] - before[k] for k in keys)
         batch = {"forwards": steps, "mean_rows": rows / steps if steps else 0.0,
                  "mean_tokens_per_forward": toks / steps if steps else 0.0,
                  "speculating_share": spec / rows if rows else 0.0, "kv_bytes_allocated": after["kv_bytes_allocated"],
                  # a step's time, and the forward's part of it: the rest is drafting, accepting, emitting
                  # and whatever else holds the replica's GIL (through the mesh: its event loop)
-                 "step_ms": 1e3 * step_s / steps if steps else 0.0, "forward_ms": 1e3 * forward_s / steps if steps else 0.0}
+                 "step_ms": 1e3 * step_s / steps if steps else 0.0,
+                 "forward_ms": 1e3 * forward_s / steps if steps else 0.0}
     return PassResult(method, concurrency, seconds, tokens[0], latencies, first, outputs, batch)
 
 

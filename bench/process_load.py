@@ -101,9 +101,10 @@ def measure(root: int, seconds: float) -> list[ThreadLoad]:
 
 def format_loads(loads: list[ThreadLoad], top: int = 12) -> str:
     procs = {t.pid for t in loads}
-    lines = [f"{sum(t.wakeups_per_s for t in loads):.0f} wakeups/s, {sum(t.cpu_percent for t in loads):.1f}% of one core, "
-             f"{len(loads)} threads in {len(procs)} processes"]
-    lines += [f"  {t.wakeups_per_s:8.1f}/s  {t.cpu_percent:5.1f}%  pid {t.pid} tid {t.tid} {t.name}" for t in loads[:top]]
+    lines = [f"{sum(t.wakeups_per_s for t in loads):.0f} wakeups/s, {sum(t.cpu_percent for t in loads):.1f}% of "
+             f"one core, {len(loads)} threads in {len(procs)} processes"]
+    lines += [f"  {t.wakeups_per_s:8.1f}/s  {t.cpu_percent:5.1f}%  pid {t.pid} tid {t.tid} {t.name}"
+              for t in loads[:top]]
     return "\n".join(lines)
 
 

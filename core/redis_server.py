@@ -83,22 +83,20 @@ def dying_with_parent(command: Sequence[str], *, nice: int = 0) -> tuple[list[st
     in the parent (a mesh starting beside gRPC clients) that once killed the child before
     redis-server ran (CI: "redis-server exited at startup", its log only gRPC's ``epoll_wait
     error: Bad file descriptor``). Without ``setpriv``, a ``preexec_fn`` does it as before."""
-    command = list(command)
-    setpriv = shutil.which("setpriv") if sys.platform == "linux" else None
+    linux = sys.platform == "linux"
+    setpriv = shutil.which("setpriv") if linux else None
     niced = shutil.which("nice") if nice else None
-    if sys.platform != "linux" or setpriv is None or (nice and niced is None):
-        if sys.platform != "linux" and not nice:
-            return command, None
+    if (setpriv or not linux) and (niced or not nice):
+        prefix = [setpriv, "--pdeathsig", "TERM", "--"] if setpriv else []
+        return [*prefix, *([niced, "-n", str(nice)] if niced else []), *command], None
 
-        def setup() -> None:
-            if sys.platform == "linux":
-                _die_with_parent()
-            if nice:
-                os.nice(nice)
+    def setup() -> None:
+        if linux:
+            _die_with_parent()
+        if nice:
+            os.nice(nice)
 
-        return command, setup
-    prefix = [niced, "-n", str(nice)] if nice else []
-    return [setpriv, "--pdeathsig", "TERM", "--", *prefix, *command], None
+    return list(command), setup
 
 
 def _answers_ping(host: str, port: int) -> bool:

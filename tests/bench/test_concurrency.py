@@ -105,8 +105,10 @@ def test_concurrency_through_the_mesh(mesh, tmp_path, capsys):
     assert "through the mesh's gRPC face" in printed
     data = json.loads(out_json.read_text())
     # the in-process draftmesh named in --methods runs in the same run, beside its mesh twin
-    assert data["target"] == "mesh" and data["methods"] == ["plain-serial", "draftmesh", "mesh:plain", "mesh:draftmesh"]
-    assert set(data["mesh_vs_local"]) == {"mesh:draftmesh"} and set(data["mesh_vs_local"]["mesh:draftmesh"]) == {"1", "2"}
+    assert data["target"] == "mesh"
+    assert data["methods"] == ["plain-serial", "draftmesh", "mesh:plain", "mesh:draftmesh"]
+    assert set(data["mesh_vs_local"]) == {"mesh:draftmesh"}
+    assert set(data["mesh_vs_local"]["mesh:draftmesh"]) == {"1", "2"}
     assert "mesh:draftmesh / draftmesh (same run): " in printed
     rows = {(r["method"], r["concurrency"]): r for r in data["rows"]}
     assert set(rows) == {(m, c) for m in data["methods"] for c in (1, 2)}
