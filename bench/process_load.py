@@ -87,11 +87,11 @@ def measure(root: int, seconds: float) -> list[ThreadLoad]:
         raise ValueError(f"--seconds must be > 0, got {seconds}")
     if not (PROC / str(root)).exists():
         raise ValueError(f"--pid: no process {root}")
-    pids = process_tree(root)
+    pids = process_tree(root)  # threads and processes started meanwhile have no first sample: not counted
     before = sample(pids)
     t0 = time.monotonic()
     time.sleep(seconds)
-    after = sample(pids | process_tree(root))
+    after = sample(pids)
     elapsed = time.monotonic() - t0
     loads = [ThreadLoad(s.pid, s.tid, s.name, (s.switches - before[k].switches) / elapsed,
                         100.0 * (s.cpu_ticks - before[k].cpu_ticks) / TICKS / elapsed)

@@ -14,6 +14,10 @@ import pytest
 from draftmesh import redis_server
 from draftmesh.redis_server import dying_with_parent, find_redis_server
 
+CHILD_PROBE = ("import ctypes, os; sig = ctypes.c_int(); "
+               "ctypes.CDLL(None).prctl(2, ctypes.byref(sig)); print(os.nice(0), sig.value)")
+"""Run as the child: prints its niceness and its parent-death signal (PR_GET_PDEATHSIG = 2)."""
+
 linux = pytest.mark.skipif(sys.platform != "linux", reason="parent-death signal is Linux-only")
 
 
@@ -37,7 +41,7 @@ def test_starting_redis_runs_no_fork_handler_in_the_child(tmp_path):
 
 
 @linux
-def test_setpriv_sets_the_parent_death_signal_and_nice_the_niceness(monkeypatch):
+def test_setpriv_sets_the_parent_death_signal_and_nice_the_niceness():
     if not (redis_server.shutil.which("setpriv") and redis_server.shutil.which("nice")):
         pytest.skip("no setpriv or nice")
     command, setup = dying_with_parent(["redis-server", "--port", "1"])
@@ -46,9 +50,7 @@ def test_setpriv_sets_the_parent_death_signal_and_nice_the_niceness(monkeypatch)
     command, setup = dying_with_parent(["python", "-m", "x"], nice=10)
     assert setup is None and command[-5:] == ["-n", "10", "python", "-m", "x"]
     # and it really does: the child's niceness and parent-death signal, read back from the child
-    probe = ("import ctypes, os, signal; sig = ctypes.c_int(); "
-             "ctypes.CDLL(None).prctl(2, ctypes.byref(sig)); print(os.nice(0), sig.value)")
-    command, _ = dying_with_parent([sys.executable, "-c", probe], nice=5)
+    command, _ = dying_with_parent([sys.executable, "-c", CHILD_PROBE], nice=5)
     niceness, sig = subprocess.run(command, capture_output=True, text=True, check=True).stdout.split()
     assert int(niceness) == os.nice(0) + 5 and int(sig) == int(redis_server.signal.SIGTERM)
 
@@ -58,8 +60,6 @@ def test_without_setpriv_a_preexec_fn_does_it(monkeypatch):
     monkeypatch.setattr(redis_server.shutil, "which", lambda name: None)
     command, setup = dying_with_parent(["redis-server"], nice=3)
     assert command == ["redis-server"] and setup is not None
-    probe = ("import ctypes, os; sig = ctypes.c_int(); "
-             "ctypes.CDLL(None).prctl(2, ctypes.byref(sig)); print(os.nice(0), sig.value)")
-    out = subprocess.run([sys.executable, "-c", probe], preexec_fn=setup, capture_output=True, text=True, check=True)
+    out = subprocess.run([sys.executable, "-c", CHILD_PROBE], preexec_fn=setup, capture_output=True, text=True, check=True)
     niceness, sig = out.stdout.split()
     assert int(niceness) == os.nice(0) + 3 and int(sig) == int(redis_server.signal.SIGTERM)
