@@ -6,10 +6,22 @@ typedef int ivec __attribute__((vector_size(VW * 4), aligned(4)));
 
 static inline fvec splat(float x) { return x - (fvec){}; }  // s - 0 is s for every s: a bare broadcast
 
+// The lanes' sum by halving (lanes i and i + w, w = VW/2 .. 1): a fixed order, so a result depends
+// only on v, and 4 vector adds where a lane-by-lane sum is 15 dependent scalar adds (the attention
+// kernel takes one per key per head: as a chain it cost more than the dot products themselves).
+typedef float f8 __attribute__((vector_size(32)));
+typedef float f4 __attribute__((vector_size(16)));
+
 static inline float hsum(fvec v) {
-  float s = 0.f;
-  for (int i = 0; i < VW; i++) s += v[i];
-  return s;
+#if VW == 16
+  union { fvec v; f8 h[2]; } u = {v};
+  const f8 a = u.h[0] + u.h[1];
+#else
+  const f8 a = v;
+#endif
+  union { f8 v; f4 h[2]; } w = {a};
+  const f4 b = w.h[0] + w.h[1];
+  return (b[0] + b[2]) + (b[1] + b[3]);
 }
 
 // exp(x), Cephes' expf (about 1 ulp): 0 below -87, exp(88) above 88.
