@@ -69,7 +69,7 @@ class PackedGemm:
     def mm(self, x: torch.Tensor, packed: torch.Tensor, out_features: int, bias: torch.Tensor | None) -> torch.Tensor:
         """``x @ W.T (+ bias)`` for ``x`` [..., K] in fp32 on the CPU."""
         k = x.shape[-1]
-        flat = x.reshape(-1, k).contiguous()
+        flat = x.reshape(math.prod(x.shape[:-1]), k).contiguous()  # (-1 is ambiguous when k is 0)
         rows = flat.shape[0]
         y = torch.empty((rows, out_features), dtype=torch.float32)
         if rows:

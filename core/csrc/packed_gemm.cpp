@@ -112,7 +112,8 @@ extern "C" void dm_packed_mm(const float* x, long M, long K, const float* p, lon
     // and there the chunks' partial sums only add loads and stores: one chunk, as for one tile.
     const long kc = m2 - m1 > MRMAX && m2 - m1 <= CHUNK_ROWS ? KC : K;
     alignas(64) float part[MPANEL * NB];
-    for (long k0 = 0; k0 < K; k0 += kc) {
+    long k0 = 0;
+    do {  // at least once: with K = 0 the tiles still write their (empty) sums
       const long k1 = k0 + kc < K ? k0 + kc : K;
       for (long m0 = m1; m0 < m2; m0 += MRMAX) {
         const long mr = m2 - m0 < MRMAX ? m2 - m0 : MRMAX;
@@ -122,7 +123,8 @@ extern "C" void dm_packed_mm(const float* x, long M, long K, const float* p, lon
         else
           tile_rows<false>(mr, x + m0 * K, K, k0, k1, pb, pm);
       }
-    }
+      k0 = k1;
+    } while (k0 < K);
     for (long m = m1; m < m2; m++) {
       float* out = part + (m - m1) * NB;
       if (bb)

@@ -160,3 +160,14 @@ def test_packed_weights_sit_on_their_own_huge_page_aligned_mapping_and_outlive_i
         thp = "[never]"  # no THP here: the mapping stays on small pages
     if "[never]" not in thp:
         assert _huge_pages_of(part) >= packed_linear.HUGE_PAGE  # the one whole extent (3.9 MiB from a boundary)
+
+
+@pytest.mark.parametrize("rows", [1, 12, 40])
+def test_no_input_features_gives_the_bias(gemm, rows):
+    """K = 0: every output is the empty sum plus the bias (a chunked panel must still write its sums)."""
+    n = gemm.block + 3
+    bias = torch.randn(n)
+    packed = gemm.pack(torch.empty(n, 0))
+    got = gemm.mm(torch.empty(rows, 0), packed, n, bias)
+    assert torch.equal(got, bias.expand(rows, n))
+    assert torch.equal(gemm.mm(torch.empty(rows, 0), packed, n, None), torch.zeros(rows, n))
