@@ -318,6 +318,9 @@ class SpeculativeDecoder:
             plan.span = self._tracer.start_span("step", context=trace.set_span_in_context(run.span))
         if not (spec.enabled and active and spec.max_nodes != 0 and remaining > 1):
             return None
+        if run.rest > 0:  # no source had a draft for this request lately: a plain step, nobody asked
+            run.rest -= 1
+            return None
         t0 = time.perf_counter()
         with trace.use_span(plan.span), self._tracer.start_as_current_span("draft"):
             plan.ctx = ctx = self._context(req, run.prompt, run.generated, size_hint=self.builder.max_nodes,
@@ -336,6 +339,13 @@ class SpeculativeDecoder:
                               len(proposals), ", ".join(sorted(plan.proposed)) or "no source")
                 failed.extend(sorted(plan.proposed))
             plan.failed = tuple(failed)
+        if proposals:
+            run.dry = run.rests = 0
+        else:
+            run.dry += 1
+            if run.dry >= DRY_STEPS:  # rest 1, 2, 4 steps, then every MAX_REST: one dry probe each time
+                run.rest = min(MAX_REST, 1 << run.rests)
+                run.rests += 1
         plan.draft_s = time.perf_counter() - t0
         return candidate
 
@@ -468,6 +478,10 @@ class SpeculativeDecoder:
                 source.finish(ctx, list(generated), text)
             except Exception:
                 log.exception("draft source %s failed to record a finished request", source.name)
+
+
+DRY_STEPS = 4
+MAX_REST = 4
 
 
 def _describe_step(span: trace.Span, number: int, record: StepRecord) -> None:

@@ -68,6 +68,9 @@ class RequestRun:
         self.verdict: Verdict | None = None
         """The last decode step's verdict (the builder learns from it)."""
         self.prefill_span: trace.Span | None = None
+        self.dry = 0
+        self.rest = 0
+        self.rests = 0
         self.prepared: dict[str, Any] = {}
         """Source name -> its per-request state (``PreparingSource.prepare``), released at the end."""
 

@@ -1,0 +1,61 @@
+"""A request whose sources have had nothing to draft for a few steps rests them: its next steps
+decode plainly without asking, in growing rests of 1, 2, then 4 steps with one probe between, so
+a batch does not pay every row's source calls for rows with nothing to copy; a draft found by a
+probe ends the rest. Output stays plain greedy's."""
+
+from __future__ import annotations
+
+import pytest
+
+from draftmesh.draft.base import DraftContext, Proposal
+from draftmesh.io_struct import GenerationRequest
+from draftmesh.verify import decoder as decoder_module
+from draftmesh.verify.decoder import SpeculativeDecoder
+from draftmesh.verify.tree_builder import TrieBuilder
+
+
+class Counting:
+    """Silent until ``wake`` tokens have been generated, then drafts the next 3 true tokens."""
+
+    name = "counting"
+
+    def __init__(self, reference: list[int], wake: int) -> None:
+        self.reference, self.wake = reference, wake
+        self.asked_at: list[int] = []
+
+    def propose(self, ctx: DraftContext) -> list[Proposal]:
+        n = len(ctx.generated_ids)
+        self.asked_at.append(n)
+        truth = self.reference[n:][:3]
+        return [Proposal(self.name, token_ids=tuple(truth))] if n >= self.wake and truth else []
+
+
+@pytest.fixture
+def llama():
+    from tiny_models import tiny_target
+
+    return tiny_target("llama")
+
+
+def test_a_silent_source_is_rested_and_a_probe_that_finds_drafts_ends_the_rest(llama):
+    req = GenerationRequest(prompt_ids=(5, 6, 7, 8), max_new_tokens=48)
+    reference = list(SpeculativeDecoder(llama).generate(req).token_ids)
+    assert len(reference) == 48
+    source = Counting(reference, wake=30)
+    result = SpeculativeDecoder(llama, [source], TrieBuilder(max_nodes=8)).generate(req)
+    assert list(result.token_ids) == reference  # resting changes the speed, never the output
+    silent = [n for n in source.asked_at if n < 30]
+    # dry 4 steps (asked at 0..3), rest 1 (4), probe 5, rest 2 (6, 7), probe 8, rest 4 (9..12), probe 13, ...
+    assert silent[:7] == [0, 1, 2, 3, 5, 8, 13]
+    assert len(silent) <= 30 // 5 + 4  # about one step in five once the rests reach 4 steps
+    assert any(s.accepted for s in result.steps)  # once awake, its drafts were found and accepted
+
+
+def test_without_rests_every_step_asks(llama, monkeypatch):
+    """The same run with resting off (what ``DRY_STEPS`` guards): the source is asked at every step."""
+    monkeypatch.setattr(decoder_module, "DRY_STEPS", 10**9)
+    req = GenerationRequest(prompt_ids=(5, 6, 7, 8), max_new_tokens=48)
+    reference = list(SpeculativeDecoder(llama).generate(req).token_ids)
+    source = Counting(reference, wake=30)
+    SpeculativeDecoder(llama, [source], TrieBuilder(max_nodes=8)).generate(req)
+    assert [n for n in source.asked_at if n < 30] == list(range(30))
