@@ -24,7 +24,6 @@
 #endif
 
 typedef float vec __attribute__((vector_size(VW * 4), aligned(VW * 4)));
-typedef float vec_u __attribute__((vector_size(VW * 4), aligned(4)));
 
 #define NB (NV * VW)
 #define MPANEL 64  // rows of one tile: a weight block is reused from cache over this many rows

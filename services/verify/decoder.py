@@ -48,6 +48,10 @@ from draftmesh.verify.tree_builder import CostAwareTreeBuilder, ScoredTree, Tree
 log = logging.getLogger(__name__)
 
 TEXT_TAIL_TOKENS = 48
+DRY_STEPS = 4
+"""Steps in a row in which no source proposed anything before a request rests its sources."""
+MAX_REST = 4
+"""The longest rest: plain steps without asking, between two probes (rests grow 1, 2, 4, ...)."""
 
 
 FlagProvider = Callable[[DraftContext, TokenTree], frozenset[int]]
@@ -478,10 +482,6 @@ class SpeculativeDecoder:
                 source.finish(ctx, list(generated), text)
             except Exception:
                 log.exception("draft source %s failed to record a finished request", source.name)
-
-
-DRY_STEPS = 4
-MAX_REST = 4
 
 
 def _describe_step(span: trace.Span, number: int, record: StepRecord) -> None:

@@ -69,8 +69,11 @@ class RequestRun:
         """The last decode step's verdict (the builder learns from it)."""
         self.prefill_span: trace.Span | None = None
         self.dry = 0
+        """Steps in a row whose sources proposed nothing (``SpeculativeDecoder.draft_step``)."""
         self.rest = 0
+        """Steps left that decode without asking any source."""
         self.rests = 0
+        """Rests since the last proposal: the next one lasts ``min(MAX_REST, 2 ** rests)`` steps."""
         self.prepared: dict[str, Any] = {}
         """Source name -> its per-request state (``PreparingSource.prepare``), released at the end."""
 
