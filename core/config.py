@@ -242,6 +242,12 @@ class BuilderConfig:
     min_gain: float = option(1.02, min=0, help="speculate only when the expected speedup over a plain step is at least this")
     fallback_after: int = option(4, min=1, help="consecutive steps with a tree but no accepted token before a cool-down")
     cooldown_steps: int = option(8, min=0, help="plain steps of a cool-down, before probing again")
+    rest_after: int = option(
+        4, min=0, help="steps in a row in which no source proposed anything before a request rests its sources: "
+                       "its next steps decode plainly without asking them (0 = ask at every step)"
+    )
+    max_rest: int = option(4, min=1, help="the longest rest, in steps; rests grow 1, 2, 4, ... up to it, one probe step "
+                                          "between two, and a probe that finds a draft ends them")
     calibration_halflife: float = option(
         64.0, min=1, help="verified trees over which the realized / predicted accepted-token ratio that scales "
                           "every node's score halves its weight (the budget's back-off from optimistic estimates)"

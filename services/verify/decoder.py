@@ -49,9 +49,11 @@ log = logging.getLogger(__name__)
 
 TEXT_TAIL_TOKENS = 48
 DRY_STEPS = 4
-"""Steps in a row in which no source proposed anything before a request rests its sources."""
+"""Default steps in a row in which no source proposed anything before a request rests its sources
+(``builder.rest_after``)."""
 MAX_REST = 4
-"""The longest rest: plain steps without asking, between two probes (rests grow 1, 2, 4, ...)."""
+"""Default longest rest: plain steps without asking, between two probes (rests grow 1, 2, 4, ...;
+``builder.max_rest``)."""
 
 
 FlagProvider = Callable[[DraftContext, TokenTree], frozenset[int]]
@@ -71,8 +73,15 @@ class SpeculativeDecoder:
         batch_limits: BatchLimits | None = None,
         batch_observer: Any = None,
         max_document_tokens: int | None = None,
+        rest_after: int = DRY_STEPS,
+        max_rest: int = MAX_REST,
     ) -> None:
+        if rest_after < 0 or max_rest < 1:
+            raise ValueError(f"need rest_after >= 0 and max_rest >= 1, got {rest_after}, {max_rest}")
         self.target = target
+        self.rest_after = rest_after
+        """Dry steps before a request rests its sources (0: never rest; see ``draft_step``)."""
+        self.max_rest = max_rest
         self.max_document_tokens = max_document_tokens
         """Target tokens of all of a request's documents together (``limits.max_document_tokens``)."""
         self._documents_ok: Sequence[str] | None = None
@@ -347,8 +356,8 @@ class SpeculativeDecoder:
             run.dry = run.rests = 0
         else:
             run.dry += 1
-            if run.dry >= DRY_STEPS:  # rest 1, 2, 4 steps, then every MAX_REST: one dry probe each time
-                run.rest = min(MAX_REST, 1 << run.rests)
+            if self.rest_after and run.dry >= self.rest_after:  # rest 1, 2, 4, ... max_rest steps, a dry probe between
+                run.rest = min(self.max_rest, 1 << min(run.rests, 30))
                 run.rests += 1
         plan.draft_s = time.perf_counter() - t0
         return candidate

@@ -67,7 +67,8 @@ def build_decoder(
     return SpeculativeDecoder(target, built, builder, flag_provider=flag_provider,
                               source_deadline_s=source_deadline_s, kv_pool=kv_pool, trace_steps=trace_steps,
                               batch_limits=batch_limits, batch_observer=batch_observer,
-                              max_document_tokens=max_document_tokens)
+                              max_document_tokens=max_document_tokens, rest_after=config.rest_after,
+                              max_rest=config.max_rest)
 
 
 def load_target(cfg: EngineConfig) -> TorchTarget:

@@ -73,7 +73,7 @@ class RequestRun:
         self.rest = 0
         """Steps left that decode without asking any source."""
         self.rests = 0
-        """Rests since the last proposal: the next one lasts ``min(MAX_REST, 2 ** rests)`` steps."""
+        """Rests since the last proposal: the next one lasts ``min(max_rest, 2 ** rests)`` steps."""
         self.prepared: dict[str, Any] = {}
         """Source name -> its per-request state (``PreparingSource.prepare``), released at the end."""
 

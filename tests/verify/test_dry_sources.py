@@ -7,10 +7,11 @@ from __future__ import annotations
 
 import pytest
 
+from draftmesh.config import BuilderConfig
 from draftmesh.draft.base import DraftContext, Proposal
 from draftmesh.io_struct import GenerationRequest
-from draftmesh.verify import decoder as decoder_module
 from draftmesh.verify.decoder import SpeculativeDecoder
+from draftmesh.verify.engine import build_decoder
 from draftmesh.verify.tree_builder import TrieBuilder
 
 
@@ -51,11 +52,30 @@ def test_a_silent_source_is_rested_and_a_probe_that_finds_drafts_ends_the_rest(l
     assert any(s.accepted for s in result.steps)  # once awake, its drafts were found and accepted
 
 
-def test_without_rests_every_step_asks(llama, monkeypatch):
-    """The same run with resting off (what ``DRY_STEPS`` guards): the source is asked at every step."""
-    monkeypatch.setattr(decoder_module, "DRY_STEPS", 10**9)
+def test_without_rests_every_step_asks(llama):
+    """The same run with resting off (``builder.rest_after`` 0): the source is asked at every step."""
     req = GenerationRequest(prompt_ids=(5, 6, 7, 8), max_new_tokens=48)
     reference = list(SpeculativeDecoder(llama).generate(req).token_ids)
     source = Counting(reference, wake=30)
-    SpeculativeDecoder(llama, [source], TrieBuilder(max_nodes=8)).generate(req)
+    result = SpeculativeDecoder(llama, [source], TrieBuilder(max_nodes=8), rest_after=0).generate(req)
+    assert list(result.token_ids) == reference
     assert [n for n in source.asked_at if n < 30] == list(range(30))
+
+
+def test_rests_follow_the_builder_config(llama):
+    """``builder.rest_after`` and ``builder.max_rest`` reach the decoder that ``build_decoder`` makes:
+    2 dry steps, then rests of 1 and 2 steps (never longer), one probe between them."""
+    req = GenerationRequest(prompt_ids=(5, 6, 7, 8), max_new_tokens=48)
+    reference = list(SpeculativeDecoder(llama).generate(req).token_ids)
+    source = Counting(reference, wake=30)
+    config = BuilderConfig(rest_after=2, max_rest=2)
+    decoder = build_decoder(llama, [], builder_config=config, extra_sources=[source], source_deadline_s=None)
+    assert list(decoder.generate(req).token_ids) == reference
+    # dry at 0, 1; rest 1 (2), probe 3, rest 2 (4, 5), probe 6, rest 2 (7, 8), probe 9, ...
+    assert [n for n in source.asked_at if n < 30] == [0, 1, 3, 6, 9, 12, 15, 18, 21, 24, 27]
+
+
+@pytest.mark.parametrize("field, value", [("rest_after", -1), ("max_rest", 0)])
+def test_bad_rest_settings_name_their_field(field, value):
+    with pytest.raises(ValueError, match=f"builder.{field}"):
+        BuilderConfig(**{field: value})
