@@ -334,6 +334,9 @@ class SpeculativeDecoder:
         if run.rest > 0:  # no source had a draft for this request lately: a plain step, nobody asked
             run.rest -= 1
             return None
+        cooling = getattr(self.builder, "cooling_down", None)
+        if cooling is not None and cooling(req.request_id):  # its trees kept failing: plain, nobody asked
+            return None
         t0 = time.perf_counter()
         with trace.use_span(plan.span), self._tracer.start_as_current_span("draft"):
             plan.ctx = ctx = self._context(req, run.prompt, run.generated, size_hint=self.builder.max_nodes,

@@ -331,10 +331,8 @@ class CostAwareTreeBuilder:
         """Every node the proposals make (deeper than ``max_depth`` dropped), each with its estimated
         acceptance; None when the request drafts nothing this step (a cool-down, no proposal, cap 0).
         The batch's budget (``choose_nodes``) then decides which nodes are verified."""
-        state = self._state(ctx.request_id)
         cap = min(self.config.max_nodes, int(ctx.options.get("max_nodes", self.config.max_nodes)))
-        if state.cooldown > 0:
-            state.cooldown -= 1
+        if self.cooling_down(ctx.request_id):
             return None
         sequences = proposal_sequences(proposals, ctx, self.aligner, max_nodes=cap)
         if not sequences or cap == 0:
@@ -349,6 +347,16 @@ class CostAwareTreeBuilder:
         raw = self._scores(full, conf)
         factor = self.calibration.factor
         return ScoredTree(full, [x * factor for x in raw], conf, cap, raw)
+
+    def cooling_down(self, request_id: str) -> bool:
+        """True while the request's trees keep failing (``fallback_after`` trees in a row accepted
+        nothing): this step decodes plainly, and one of the ``cooldown_steps`` is used up. The
+        decoder asks it before the sources, so a cooling request does not pay for asking them."""
+        state = self._state(request_id)
+        if state.cooldown > 0:
+            state.cooldown -= 1
+            return True
+        return False
 
     def _scores(self, tree: TokenTree, conf: Sequence[Mapping[str, float]]) -> list[float]:
         """P(node accepted) = P(parent accepted) * P(node | parent), siblings capped at 1.

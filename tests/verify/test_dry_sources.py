@@ -12,7 +12,7 @@ from draftmesh.draft.base import DraftContext, Proposal
 from draftmesh.io_struct import GenerationRequest
 from draftmesh.verify.decoder import SpeculativeDecoder
 from draftmesh.verify.engine import build_decoder
-from draftmesh.verify.tree_builder import TrieBuilder
+from draftmesh.verify.tree_builder import CostAwareTreeBuilder, TrieBuilder
 
 
 class Counting:
@@ -79,3 +79,32 @@ def test_rests_follow_the_builder_config(llama):
 def test_bad_rest_settings_name_their_field(field, value):
     with pytest.raises(ValueError, match=f"builder.{field}"):
         BuilderConfig(**{field: value})
+
+
+class Wrong:
+    """Always drafts 2 tokens the target never picks."""
+
+    name = "wrong"
+
+    def __init__(self, reference: list[int], vocab: int) -> None:
+        self.reference, self.vocab = reference, vocab
+        self.asked_at: list[int] = []
+
+    def propose(self, ctx: DraftContext) -> list[Proposal]:
+        n = len(ctx.generated_ids)
+        self.asked_at.append(n)
+        return [Proposal(self.name, token_ids=((self.reference[n] + 1) % self.vocab, 3), confidence=1.0)]
+
+
+def test_a_request_cooling_down_after_failed_trees_does_not_ask_its_sources(llama):
+    """The builder's cool-down (``fallback_after`` trees in a row accepted nothing: ``cooldown_steps``
+    plain steps) skips asking the sources too, as a rest does: their drafts would be dropped."""
+    req = GenerationRequest(prompt_ids=(5, 6, 7, 8), max_new_tokens=24)
+    reference = list(SpeculativeDecoder(llama).generate(req).token_ids)
+    source = Wrong(reference, llama.vocab_size)
+    builder = CostAwareTreeBuilder({1: 1.0, 64: 1.0}, BuilderConfig(fallback_after=2, cooldown_steps=3))
+    result = SpeculativeDecoder(llama, [source], builder).generate(req)
+    assert list(result.token_ids) == reference
+    # two failed trees (0, 1), three plain steps unasked (2, 3, 4), two more (5, 6), ...
+    assert source.asked_at == [0, 1, 5, 6, 10, 11, 15, 16, 20, 21]
+    assert sum(1 for s in result.steps if s.tree_size) == len(source.asked_at)
