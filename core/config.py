@@ -248,6 +248,10 @@ class BuilderConfig:
     )
     max_rest: int = option(4, min=1, help="the longest rest, in steps; rests grow 1, 2, 4, ... up to it, one probe step "
                                           "between two, and a probe that finds a draft ends them")
+    rest_min_rows: int = option(
+        3, min=1, help="requests in a step's batch from which its requests rest: in a smaller batch asking costs a "
+                       "row ~0.5 ms and the trees pay the most, so every step asks"
+    )
     calibration_halflife: float = option(
         64.0, min=1, help="verified trees over which the realized / predicted accepted-token ratio that scales "
                           "every node's score halves its weight (the budget's back-off from optimistic estimates)"

@@ -54,6 +54,8 @@ DRY_STEPS = 4
 MAX_REST = 4
 """Default longest rest: plain steps without asking, between two probes (rests grow 1, 2, 4, ...;
 ``builder.max_rest``)."""
+REST_MIN_ROWS = 3
+"""Default requests in a step's batch from which they rest (``builder.rest_min_rows``)."""
 
 
 FlagProvider = Callable[[DraftContext, TokenTree], frozenset[int]]
@@ -75,13 +77,17 @@ class SpeculativeDecoder:
         max_document_tokens: int | None = None,
         rest_after: int = DRY_STEPS,
         max_rest: int = MAX_REST,
+        rest_min_rows: int = REST_MIN_ROWS,
     ) -> None:
-        if rest_after < 0 or max_rest < 1:
-            raise ValueError(f"need rest_after >= 0 and max_rest >= 1, got {rest_after}, {max_rest}")
+        if rest_after < 0 or max_rest < 1 or rest_min_rows < 1:
+            raise ValueError(f"need rest_after >= 0, max_rest >= 1 and rest_min_rows >= 1, got {rest_after}, "
+                             f"{max_rest}, {rest_min_rows}")
         self.target = target
         self.rest_after = rest_after
         """Dry steps before a request rests its sources (0: never rest; see ``draft_step``)."""
         self.max_rest = max_rest
+        self.rest_min_rows = rest_min_rows
+        """Requests in a step's batch from which they rest: a smaller batch asks at every step."""
         self.max_document_tokens = max_document_tokens
         """Target tokens of all of a request's documents together (``limits.max_document_tokens``)."""
         self._documents_ok: Sequence[str] | None = None
@@ -320,9 +326,10 @@ class SpeculativeDecoder:
         return out
 
     # ------------------------------------------------------------------ a request's part of a step
-    def draft_step(self, run: RequestRun, cache_len: int) -> ScoredTree | None:
+    def draft_step(self, run: RequestRun, cache_len: int, batch_rows: int = 1) -> ScoredTree | None:
         """Ask the request's sources; return its candidate nodes for the batch budget, or None
-        (the plan then holds a fixed tree: a builder that sizes its own, or no draft)."""
+        (the plan then holds a fixed tree: a builder that sizes its own, or no draft).
+        ``batch_rows``: the requests in this step's batch (whether it may rest its sources)."""
         req, plan = run.req, run.plan
         spec = req.speculation
         active = [src for src in self.sources if spec.sources is None or src.name in spec.sources]
@@ -331,9 +338,12 @@ class SpeculativeDecoder:
             plan.span = self._tracer.start_span("step", context=trace.set_span_in_context(run.span))
         if not (spec.enabled and active and spec.max_nodes != 0 and remaining > 1):
             return None
+        may_rest = self.rest_after > 0 and batch_rows >= self.rest_min_rows
         if run.rest > 0:  # no source had a draft for this request lately: a plain step, nobody asked
-            run.rest -= 1
-            return None
+            if may_rest:
+                run.rest -= 1
+                return None
+            run.rest = 0  # the batch shrank: asking is cheap again, the rest ends
         cooling = getattr(self.builder, "cooling_down", None)
         if cooling is not None and cooling(req.request_id):  # its trees kept failing: plain, nobody asked
             return None
@@ -359,7 +369,7 @@ class SpeculativeDecoder:
             run.dry = run.rests = 0
         else:
             run.dry += 1
-            if self.rest_after and run.dry >= self.rest_after:  # rest 1, 2, 4, ... max_rest steps, a dry probe between
+            if may_rest and run.dry >= self.rest_after:  # rest 1, 2, 4, ... max_rest steps, a dry probe between
                 run.rest = min(self.max_rest, 1 << min(run.rests, 30))
                 run.rests += 1
         plan.draft_s = time.perf_counter() - t0

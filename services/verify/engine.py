@@ -68,7 +68,7 @@ def build_decoder(
                               source_deadline_s=source_deadline_s, kv_pool=kv_pool, trace_steps=trace_steps,
                               batch_limits=batch_limits, batch_observer=batch_observer,
                               max_document_tokens=max_document_tokens, rest_after=config.rest_after,
-                              max_rest=config.max_rest)
+                              max_rest=config.max_rest, rest_min_rows=config.rest_min_rows)
 
 
 def load_target(cfg: EngineConfig) -> TorchTarget:

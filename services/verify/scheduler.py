@@ -227,7 +227,7 @@ class BatchScheduler:
         for t in to_draft:  # the last prefill chunk, the root and a tree can share one forward
             run = t.run
             try:
-                cand = decoder.draft_step(run, self.kv.lengths[run.row] + len(run.plan.chunk))
+                cand = decoder.draft_step(run, self.kv.lengths[run.row] + len(run.plan.chunk), len(runs))
             except Exception as exc:  # one request's fault: it fails, the batch goes on
                 self._fail(t, exc)
                 continue

@@ -1,11 +1,13 @@
 """A request whose sources have had nothing to draft for a few steps rests them: its next steps
 decode plainly without asking, in growing rests of 1, 2, then 4 steps with one probe between, so
 a batch does not pay every row's source calls for rows with nothing to copy; a draft found by a
-probe ends the rest. Output stays plain greedy's."""
+probe ends the rest. Only in a batch of ``builder.rest_min_rows`` requests or more, and a request
+in the builder's cool-down is not asked either. Output stays plain greedy's."""
 
 from __future__ import annotations
 
 import pytest
+from batch_driver import drive, reference_greedy
 
 from draftmesh.config import BuilderConfig
 from draftmesh.draft.base import DraftContext, Proposal
@@ -43,7 +45,7 @@ def test_a_silent_source_is_rested_and_a_probe_that_finds_drafts_ends_the_rest(l
     reference = list(SpeculativeDecoder(llama).generate(req).token_ids)
     assert len(reference) == 48
     source = Counting(reference, wake=30)
-    result = SpeculativeDecoder(llama, [source], TrieBuilder(max_nodes=8)).generate(req)
+    result = SpeculativeDecoder(llama, [source], TrieBuilder(max_nodes=8), rest_min_rows=1).generate(req)
     assert list(result.token_ids) == reference  # resting changes the speed, never the output
     silent = [n for n in source.asked_at if n < 30]
     # dry 4 steps (asked at 0..3), rest 1 (4), probe 5, rest 2 (6, 7), probe 8, rest 4 (9..12), probe 13, ...
@@ -57,7 +59,7 @@ def test_without_rests_every_step_asks(llama):
     req = GenerationRequest(prompt_ids=(5, 6, 7, 8), max_new_tokens=48)
     reference = list(SpeculativeDecoder(llama).generate(req).token_ids)
     source = Counting(reference, wake=30)
-    result = SpeculativeDecoder(llama, [source], TrieBuilder(max_nodes=8), rest_after=0).generate(req)
+    result = SpeculativeDecoder(llama, [source], TrieBuilder(max_nodes=8), rest_after=0, rest_min_rows=1).generate(req)
     assert list(result.token_ids) == reference
     assert [n for n in source.asked_at if n < 30] == list(range(30))
 
@@ -68,14 +70,42 @@ def test_rests_follow_the_builder_config(llama):
     req = GenerationRequest(prompt_ids=(5, 6, 7, 8), max_new_tokens=48)
     reference = list(SpeculativeDecoder(llama).generate(req).token_ids)
     source = Counting(reference, wake=30)
-    config = BuilderConfig(rest_after=2, max_rest=2)
+    config = BuilderConfig(rest_after=2, max_rest=2, rest_min_rows=1)
     decoder = build_decoder(llama, [], builder_config=config, extra_sources=[source], source_deadline_s=None)
     assert list(decoder.generate(req).token_ids) == reference
     # dry at 0, 1; rest 1 (2), probe 3, rest 2 (4, 5), probe 6, rest 2 (7, 8), probe 9, ...
     assert [n for n in source.asked_at if n < 30] == [0, 1, 3, 6, 9, 12, 15, 18, 21, 24, 27]
 
 
-@pytest.mark.parametrize("field, value", [("rest_after", -1), ("max_rest", 0)])
+class Silent:
+    """Never drafts; records which request asked at which generated length."""
+
+    name = "silent"
+
+    def __init__(self) -> None:
+        self.asked: dict[str, list[int]] = {}
+
+    def propose(self, ctx: DraftContext) -> list[Proposal]:
+        self.asked.setdefault(ctx.request_id, []).append(len(ctx.generated_ids))
+        return []
+
+
+@pytest.mark.parametrize("requests, rests", [(1, False), (2, False), (3, True)])
+def test_requests_rest_only_in_a_batch_of_rest_min_rows(llama, requests, rests):
+    """``builder.rest_min_rows`` (3 by default): one or two requests ask at every step (asking
+    costs a row ~0.5 ms and the trees pay the most there); from three on, a dry request rests."""
+    source = Silent()
+    decoder = SpeculativeDecoder(llama, [source], TrieBuilder(max_nodes=8))
+    reqs = [GenerationRequest(prompt_ids=(5, 6, 7, 8 + i), max_new_tokens=24, request_id=f"r{i}") for i in range(requests)]
+    results, rows = drive(decoder, [(0, req, None) for req in reqs])
+    assert max(rows) == requests
+    for i, req in enumerate(reqs):
+        assert tuple(results[i].token_ids) == reference_greedy(llama, req.prompt_ids, 24)
+        asked = source.asked[req.request_id]
+        assert asked == ([0, 1, 2, 3, 5, 8, 13, 18] if rests else list(range(23))), asked  # the last token: nobody asked
+
+
+@pytest.mark.parametrize("field, value", [("rest_after", -1), ("max_rest", 0), ("rest_min_rows", 0)])
 def test_bad_rest_settings_name_their_field(field, value):
     with pytest.raises(ValueError, match=f"builder.{field}"):
         BuilderConfig(**{field: value})
