@@ -25,6 +25,7 @@ from opentelemetry import trace
 
 from draftmesh import tracing
 from draftmesh.backend import TorchTarget
+from draftmesh.config import BuilderConfig
 from draftmesh.draft.base import (
     MAX_PROPOSALS_PER_SOURCE,
     DraftContext,
@@ -48,14 +49,6 @@ from draftmesh.verify.tree_builder import CostAwareTreeBuilder, ScoredTree, Tree
 log = logging.getLogger(__name__)
 
 TEXT_TAIL_TOKENS = 48
-DRY_STEPS = 4
-"""Default steps in a row in which no source proposed anything before a request rests its sources
-(``builder.rest_after``)."""
-MAX_REST = 4
-"""Default longest rest: plain steps without asking, between two probes (rests grow 1, 2, 4, ...;
-``builder.max_rest``)."""
-REST_MIN_ROWS = 3
-"""Default requests in a step's batch from which they rest (``builder.rest_min_rows``)."""
 
 
 FlagProvider = Callable[[DraftContext, TokenTree], frozenset[int]]
@@ -75,9 +68,9 @@ class SpeculativeDecoder:
         batch_limits: BatchLimits | None = None,
         batch_observer: Any = None,
         max_document_tokens: int | None = None,
-        rest_after: int = DRY_STEPS,
-        max_rest: int = MAX_REST,
-        rest_min_rows: int = REST_MIN_ROWS,
+        rest_after: int = BuilderConfig.rest_after,
+        max_rest: int = BuilderConfig.max_rest,
+        rest_min_rows: int = BuilderConfig.rest_min_rows,
     ) -> None:
         if rest_after < 0 or max_rest < 1 or rest_min_rows < 1:
             raise ValueError(f"need rest_after >= 0, max_rest >= 1 and rest_min_rows >= 1, got {rest_after}, "
@@ -86,6 +79,7 @@ class SpeculativeDecoder:
         self.rest_after = rest_after
         """Dry steps before a request rests its sources (0: never rest; see ``draft_step``)."""
         self.max_rest = max_rest
+        """The longest rest, in steps (rests grow 1, 2, 4, ... up to it, one probe between two)."""
         self.rest_min_rows = rest_min_rows
         """Requests in a step's batch from which they rest: a smaller batch asks at every step."""
         self.max_document_tokens = max_document_tokens
