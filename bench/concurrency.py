@@ -153,7 +153,7 @@ def run_pass(load, method: str, items: Sequence[PreparedItem], concurrency: int)
     after = load.batch_stats()
     batch: dict[str, Any] = {"forwards": None, "mean_rows": None, "mean_tokens_per_forward": None,
                              "speculating_share": None, "kv_bytes_allocated": None,
-                             "step_ms": None, "forward_ms": None}
+                             "step_ms": None, "forward_ms": None, "busy_share": None}
     if before is not None and after is not None:  # (a mesh not started by the bench: not visible)
         keys = ("steps", "forward_rows", "forward_tokens", "drafted_rows", "step_s", "forward_s")
         steps, rows, toks, spec, step_s, forward_s = (after[k] - before[k] for k in keys)
@@ -163,7 +163,10 @@ def run_pass(load, method: str, items: Sequence[PreparedItem], concurrency: int)
                  # a step's time, and the forward's part of it: the rest is drafting, accepting, emitting
                  # and whatever else holds the replica's GIL (through the mesh: its event loop)
                  "step_ms": 1e3 * step_s / steps if steps else 0.0,
-                 "forward_ms": 1e3 * forward_s / steps if steps else 0.0}
+                 "forward_ms": 1e3 * forward_s / steps if steps else 0.0,
+                 # the share of the pass's wall time spent inside steps: the rest is the batch waiting
+                 # for its callers (a step handed between threads, requests arriving through the mesh)
+                 "busy_share": step_s / seconds if seconds else 0.0}
     return PassResult(method, concurrency, seconds, tokens[0], latencies, first, outputs, batch)
 
 
@@ -278,6 +281,7 @@ def run_concurrency(target, items: Sequence[PreparedItem], levels: Sequence[int]
             "kv_bytes_allocated": _max(p.batch.get("kv_bytes_allocated") for p in passes),
             "step_ms": _median(p.batch.get("step_ms") for p in passes),
             "forward_ms": _median(p.batch.get("forward_ms") for p in passes),
+            "busy_share": _median(p.batch.get("busy_share") for p in passes),
             "identical_to_plain_serial": same, "outputs": total,
         })
     rows.sort(key=lambda r: (r["concurrency"], methods.index(r["method"])))

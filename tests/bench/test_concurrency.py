@@ -30,8 +30,9 @@ def test_concurrency_run_reports_every_level_and_method(tmp_path, capsys):
     assert set(rows) == {(m, c) for m in ("plain-serial", "plain", "draftmesh") for c in (1, 3)}
     for r in rows.values():
         assert r["outputs"] == 6 and r["identical_to_plain_serial"] == 6 and r["tokens_per_s"] > 0
-    for r in rows.values():  # a step's time holds its forward's
+    for r in rows.values():  # a step's time holds its forward's; the steps, part of the pass's time
         assert r["step_ms"] >= r["forward_ms"] > 0
+        assert 0 < r["busy_share"] <= 1
     assert "step ms" in printed and "fwd ms" in printed
     assert rows[("plain-serial", 3)]["mean_rows"] == 1.0  # one at a time, by construction
     assert rows[("plain", 3)]["mean_rows"] > 1.5  # batched: several requests per forward
@@ -118,3 +119,4 @@ def test_concurrency_through_the_mesh(mesh, tmp_path, capsys):
     # a mesh the bench did not start: its batch counters are not visible, and say so (None), not 0
     assert rows[("mesh:plain", 2)]["mean_rows"] is None and rows[("plain-serial", 2)]["mean_rows"] == 1.0
     assert rows[("mesh:plain", 2)]["step_ms"] is None and rows[("draftmesh", 2)]["step_ms"] > 0
+    assert rows[("mesh:plain", 2)]["busy_share"] is None
