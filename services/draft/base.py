@@ -146,11 +146,34 @@ def advance(proposal: Proposal, committed: Sequence[int]) -> Proposal | None:
 
 @runtime_checkable
 class DraftSource(Protocol):
-    """A source of drafts. ``propose`` must be cheap or be hosted remotely with a deadline."""
+    """A source of drafts. ``propose`` must be cheap or be hosted remotely with a deadline.
+
+    A source whose ``propose`` runs a torch model (the llm source) says so with a class attribute
+    ``compute_bound = True``: it is then called on the process's compute thread (``propose_on_compute``),
+    between the target's forwards, never on a worker thread beside them."""
 
     name: str
 
     def propose(self, ctx: DraftContext) -> list[Proposal]: ...
+
+
+def compute_bound(source: Any) -> bool:
+    return bool(getattr(source, "compute_bound", False))
+
+
+def propose_on_compute(source: Any, ctx: DraftContext) -> list[Proposal]:
+    """``source.propose(ctx)``, on the compute thread when the source is compute-bound.
+
+    Why: torch on a worker thread starts an OpenMP team beside the compute thread's; while both
+    compute they share 2 cores badly (a one-token target forward 24 -> 53 ms beside an in-process
+    llm source's model on the sources' pool, 2-core box), and once the worker's team exists every
+    later forward is slower too (24 -> 36 ms). On the compute thread, drafting and verifying take
+    turns at the full width, as a draft model and its target do in plain speculative decoding."""
+    if not compute_bound(source):
+        return source.propose(ctx)
+    from draftmesh import compute  # lazy: the contract itself needs no threads
+
+    return compute.run(source.propose, ctx)
 
 
 @runtime_checkable

@@ -8,13 +8,17 @@ Python source (``factory: package.module:callable``). It speaks the DraftSource 
 from __future__ import annotations
 
 import asyncio
+import concurrent.futures as cf
+import contextvars
+import functools
 import logging
 from typing import Mapping
 
 from ray import serve
 
-from draftmesh import tracing
+from draftmesh import compute, tracing
 from draftmesh.config import RemoteSource
+from draftmesh.draft.base import propose_on_compute
 from draftmesh.draft.registry import build_source
 from draftmesh.draft.wire import context_from_proto, proposals_to_proto
 from draftmesh.v1 import draft_source_pb2 as pb
@@ -32,12 +36,18 @@ class DraftDeployment:
         self.name = name
         self.source = build_source(name, model, options=spec.options, factory=spec.factory, redis_url=redis_url,
                                    answer_store_max_bytes=answer_store_max_bytes)
+        # The calls run here, as many as Serve lets in (max_ongoing_requests); a source's torch
+        # (the llm source's model) single-threaded on each, or their OpenMP teams throttle each other
+        # (draftmesh.compute). Not a module global: see above.
+        self._pool = cf.ThreadPoolExecutor(max_workers=8, thread_name_prefix=f"draft-{name}",
+                                           initializer=compute.confine_side_thread)
 
     async def Propose(self, request: pb.ProposeRequest, trace_context: Mapping[str, str] | None = None) -> pb.ProposeResponse:
         """``trace_context``: the W3C headers of the verifier step asking (ServeHandleSource)."""
         with self._tracer.start_as_current_span(f"draft deployment {self.name}", context=tracing.extract(trace_context),
                                            kind=tracing.SpanKind.SERVER) as span:
             ctx = context_from_proto(request)
-            proposals = await asyncio.to_thread(self.source.propose, ctx)
+            call = functools.partial(contextvars.copy_context().run, propose_on_compute, self.source, ctx)  # as asyncio.to_thread
+            proposals = await asyncio.get_running_loop().run_in_executor(self._pool, call)
             span.set_attribute("draftmesh.proposals", len(proposals))
             return proposals_to_proto(self.name, proposals)

@@ -19,10 +19,10 @@ import logging
 
 import grpc
 
-from draftmesh import tracing
+from draftmesh import compute, tracing
 from draftmesh.auth import ApiKeyAuth
 from draftmesh.draft import wire
-from draftmesh.draft.base import DraftSource
+from draftmesh.draft.base import DraftSource, propose_on_compute
 from draftmesh.v1 import draft_source_pb2 as pb
 from draftmesh.v1 import draft_source_pb2_grpc as pb_grpc
 
@@ -47,7 +47,7 @@ class DraftSourceServicer(pb_grpc.DraftSourceServicer):
         except ValueError as exc:
             context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(exc))
         try:
-            proposals = self.source.propose(ctx)
+            proposals = propose_on_compute(self.source, ctx)
         except Exception as exc:
             log.exception("draft source %s failed on request %r", self.source.name, request.request_id)
             context.abort(grpc.StatusCode.INTERNAL, f"draft source {self.source.name!r} failed: {_short(exc)}")
@@ -94,7 +94,8 @@ def serve_source(
     if max_workers < 1:
         raise ValueError(f"max_workers must be >= 1, got {max_workers}")
     server = grpc.server(
-        cf.ThreadPoolExecutor(max_workers=max_workers, thread_name_prefix=f"draft-serve-{source.name}"),
+        cf.ThreadPoolExecutor(max_workers=max_workers, thread_name_prefix=f"draft-serve-{source.name}",
+                              initializer=compute.confine_side_thread),  # see draftmesh.compute
         options=_SERVER_OPTIONS,
         # The key check first: a refused call never reaches the tracing or the source.
         interceptors=([_AuthInterceptor(auth)] if auth is not None and auth.enabled else [])

@@ -98,6 +98,9 @@ class LLMStats:
 class LLMSource:
     """A draft model as a draft source. See the module docstring for the two modes."""
 
+    compute_bound = True
+    """Its model runs on the compute thread, taking turns with the target's forwards (draft.base)."""
+
     def __init__(
         self,
         draft: TorchTarget,

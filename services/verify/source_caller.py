@@ -22,8 +22,8 @@ import threading
 from dataclasses import dataclass, field
 from typing import Sequence
 
-from draftmesh import tracing
-from draftmesh.draft.base import DraftContext, DraftSource, Proposal, advance
+from draftmesh import compute, tracing
+from draftmesh.draft.base import DraftContext, DraftSource, Proposal, advance, compute_bound, propose_on_compute
 
 log = logging.getLogger(__name__)
 _tracer = tracing.tracer("draftmesh.draft")
@@ -32,7 +32,7 @@ _tracer = tracing.tracer("draftmesh.draft")
 def propose_traced(source: DraftSource, ctx: DraftContext) -> list[Proposal]:
     """One source's proposals, in a span of its own (a child of the step)."""
     with _tracer.start_as_current_span(f"source {source.name}", attributes={"draftmesh.source": source.name}) as span:
-        proposals = list(source.propose(ctx))
+        proposals = list(propose_on_compute(source, ctx))
         span.set_attribute("draftmesh.proposals", len(proposals))
         return proposals
 
@@ -70,7 +70,10 @@ class SourceCaller:
             raise ValueError(f"need max_workers >= 1 and max_per_source >= 1, got {max_workers}, {max_per_source}")
         self.deadline_s = deadline_s
         self.max_per_source = max_per_source
-        self._pool = cf.ThreadPoolExecutor(max_workers=max_workers, thread_name_prefix="draft-source") if deadline_s else None
+        # A source may run torch (the llm source's model): single-threaded here, or its thread's
+        # OpenMP team would slow every forward of the compute thread (draftmesh.compute).
+        self._pool = cf.ThreadPoolExecutor(max_workers=max_workers, thread_name_prefix="draft-source",
+                                           initializer=compute.confine_side_thread) if deadline_s else None
         self._running: dict[tuple[str, str], _Call] = {}
         """(request id, source name) -> the request's latest call of that source."""
         self._lock = threading.Lock()
@@ -100,13 +103,12 @@ class SourceCaller:
     def call(self, sources: Sequence[DraftSource], ctx: DraftContext) -> SourceAnswers:
         answers = SourceAnswers()
         if self._pool is None:
-            for source in sources:
-                try:
-                    answers.proposals[source.name] = propose_traced(source, ctx)
-                except Exception:  # a broken source costs speed, never the request
-                    log.exception("draft source %s failed; skipped for this step", source.name)
-                    answers.failed[source.name] = "error"
+            self._call_inline(sources, ctx, answers)
             return answers
+        # A compute-bound source (a draft model) runs here, on the step's (compute) thread, while the
+        # others run on the pool: no deadline can stop it, so its own budget bounds it (draft.base).
+        inline = [s for s in sources if compute_bound(s)]
+        sources = [s for s in sources if not compute_bound(s)]
         futures: dict[cf.Future, str] = {}
         late_answers: dict[str, list[Proposal]] = {}
         ids = tuple(ctx.token_ids)
@@ -126,6 +128,7 @@ class SourceCaller:
                 future = self._pool.submit(tracing.in_context(propose_traced), source, ctx)
                 self._running[key] = _Call(future, ctx.request_id, ids)
                 futures[future] = source.name
+        self._call_inline(inline, ctx, answers)
         done, late = cf.wait(futures, timeout=self.deadline_s)
         with self._lock:  # answered in time: nothing to keep for the next step
             for future in done:
@@ -152,6 +155,15 @@ class SourceCaller:
             log.warning("draft source %s missed the %.0f ms deadline; skipped", name, 1e3 * self.deadline_s)
             answers.failed[name] = "timeout"
         return answers
+
+    @staticmethod
+    def _call_inline(sources: Sequence[DraftSource], ctx: DraftContext, answers: SourceAnswers) -> None:
+        for source in sources:
+            try:
+                answers.proposals[source.name] = propose_traced(source, ctx)
+            except Exception:  # a broken source costs speed, never the request
+                log.exception("draft source %s failed; skipped for this step", source.name)
+                answers.failed[source.name] = "error"
 
     @staticmethod
     def _advance(call: _Call, ctx: DraftContext) -> list[Proposal]:

@@ -59,14 +59,50 @@ def _child(queue) -> None:
     queue.put(compute.run(lambda: 41) + 1)
 
 
-def test_a_forked_child_gets_a_compute_thread_of_its_own():
-    compute.run(lambda: None)  # the parent's thread exists
+def in_forked_child(target):
+    """What ``target(queue)`` puts, run in a forked child (which has none of our threads)."""
     ctx = multiprocessing.get_context("fork")
     queue = ctx.Queue()
-    child = ctx.Process(target=_child, args=(queue,))
+    child = ctx.Process(target=target, args=(queue,))
     child.start()
     try:
-        assert queue.get(timeout=30) == 42
+        return queue.get(timeout=30)
     finally:
         child.join(30)
-    assert child.exitcode == 0
+        assert child.exitcode == 0
+
+
+def test_a_forked_child_gets_a_compute_thread_of_its_own():
+    compute.run(lambda: None)  # the parent's thread exists
+    assert in_forked_child(_child) == 42
+
+
+def _child_width(queue) -> None:
+    queue.put(compute.get_threads())
+
+
+def test_a_side_thread_runs_torch_single_threaded_and_the_compute_thread_keeps_its_width():
+    """A worker thread's torch at the process's width would start an OpenMP team of its own and
+    slow every forward of the compute thread (draftmesh.compute); confined, it starts none. Torch
+    then starts new threads at one, but a compute thread started later (a forked child's) keeps
+    the width set for it."""
+    before = compute.get_threads()
+    seen: dict[str, int] = {}
+
+    def side() -> None:
+        seen["fresh"] = torch.get_num_threads()  # what a worker thread's torch would use
+        compute.confine_side_thread()
+        seen["confined"] = torch.get_num_threads()
+
+    try:
+        compute.set_threads(2)
+        thread = threading.Thread(target=side)
+        thread.start()
+        thread.join(30)
+        assert seen == {"fresh": 2, "confined": 1}
+        compute.run(compute.confine_side_thread)  # on the compute thread itself: nothing to do
+        assert compute.get_threads() == 2
+        assert in_forked_child(_child_width) == 2
+    finally:
+        compute.set_threads(before)
+        torch.set_num_threads(before)

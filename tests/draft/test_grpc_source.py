@@ -20,6 +20,7 @@ from draftmesh.draft.grpc_source import GrpcDraftSource, RemoteSourceError
 from draftmesh.v1 import draft_source_pb2 as pb
 from draftmesh.v1 import draft_source_pb2_grpc as pb_grpc
 from draftmesh.verify.source_caller import SourceCaller
+from thread_width import ComputeBoundSource, ThreadWidthSource, compute_thread, process_width
 
 ROOT = Path(__file__).resolve().parents[2]
 TIMEOUT = 0.3
@@ -337,3 +338,42 @@ def test_an_answer_larger_than_we_read_fails_that_call_only(clients):
         assert err.value.code == grpc_mod.StatusCode.RESOURCE_EXHAUSTED
     finally:
         server.stop(None)
+
+
+def test_served_sources_run_torch_single_threaded(serve, clients):
+    """Each server thread at the process's width would start an OpenMP team of its own: a served
+    llm source's concurrent calls would throttle each other (draftmesh.compute)."""
+    source = ThreadWidthSource()
+    with process_width(2):
+        client = clients("llm", f"127.0.0.1:{serve(source, max_workers=2)}", timeout_s=TIMEOUT)
+        for _ in range(3):
+            assert client.propose(CTX) == []
+    assert source.widths == [1, 1, 1]
+
+
+def test_a_draft_deployment_runs_its_source_single_threaded():
+    """The Serve draft deployment's calls too (its class, called without Ray)."""
+    import asyncio
+
+    from draftmesh.draft.deployment import DraftDeployment
+
+    spec = RemoteSource(factory="thread_width:ThreadWidthSource")
+    with process_width(2):
+        deployment = DraftDeployment.func_or_class("llm", "smollm2-135m", spec)
+        for _ in range(2):
+            asyncio.run(deployment.Propose(wire.context_to_proto(CTX)))
+    assert deployment.source.widths == [1, 1]
+
+
+def test_a_served_compute_bound_source_runs_on_the_compute_thread(serve, clients):
+    source = ComputeBoundSource()
+    client = clients("llm", f"127.0.0.1:{serve(source)}", token_ids_ok=True, timeout_s=TIMEOUT)
+    assert [p.token_ids for p in client.propose(CTX)] == [(9,)]
+    assert source.threads == [compute_thread()]
+
+
+def test_the_llm_source_says_it_is_compute_bound():
+    from draftmesh.draft.base import compute_bound
+    from draftmesh.draft.llm import LLMSource
+
+    assert compute_bound(LLMSource) and not compute_bound(registry.create("rules"))

@@ -7,6 +7,7 @@ import time
 
 from draftmesh.draft.base import DraftContext, Proposal
 from draftmesh.verify.source_caller import SourceCaller
+from thread_width import ComputeBoundSource, ThreadWidthSource, compute_thread, process_width
 
 
 class GatedSource:
@@ -83,4 +84,35 @@ def test_a_forgotten_call_still_running_counts_against_the_cap():
         assert caller.running() == 0
     finally:
         src.gate.set()
+        caller.close()
+
+
+def test_sources_on_the_pool_run_torch_single_threaded():
+    """At the process's width each pool thread would start an OpenMP team of its own, which slowed
+    the compute thread's forwards by half (draftmesh.compute)."""
+    src = ThreadWidthSource()
+    caller = SourceCaller(deadline_s=5.0, max_workers=2)
+    try:
+        with process_width(2):
+            for rid in ("a", "b", "c"):
+                assert caller.call([src], ctx(rid)).failed == {}
+        assert src.widths == [1, 1, 1]
+    finally:
+        caller.close()
+
+
+def test_a_compute_bound_source_runs_on_the_compute_thread_while_the_others_use_the_pool():
+    """A draft model on a pool thread would compute beside the target's forward on the same cores
+    (a one-token forward 24 -> 53 ms, draft.base); on the compute thread they take turns."""
+    from draftmesh import compute
+
+    model, rag = ComputeBoundSource(), GatedSource("rag", slow=set())
+    caller = SourceCaller(deadline_s=5.0)
+    try:
+        in_step = compute.run(caller.call, [model, rag], ctx("a"))  # as a step asks them
+        elsewhere = caller.call([model], ctx("b"))  # from another thread it still runs there
+        assert model.threads == [compute_thread()] * 2
+        assert in_step.failed == {} and sorted(in_step.proposals) == ["llm", "rag"]
+        assert [p.token_ids for p in elsewhere.proposals["llm"]] == [(9,)]
+    finally:
         caller.close()
