@@ -26,6 +26,10 @@ class SourceEnv:
     redis_url: str | None = None
     answer_store_max_bytes: int = 0
     """Byte bound of the Redis answer store (``serve.answer_store_max_bytes``; 0: none)."""
+    step_deadline_s: float | None = None
+    """The verifier's per-step source deadline (``sources.deadline_ms``; None: none). A compute-bound
+    source runs on the step's own thread, where that deadline cannot cut it short, so it takes it
+    as its own time limit (the llm source's ``max_seconds``) unless given one."""
 
 
 SourceFactory = Callable[..., DraftSource]
@@ -86,6 +90,7 @@ def _llm(env: SourceEnv, draft: str = "smollm2-135m", device: str = "cpu", **opt
     from draftmesh.draft.llm import LLMSource  # lazy: a source's module loads when it is used
 
     options.setdefault("target_vocab_size", env.vocab_size)
+    options.setdefault("max_seconds", env.step_deadline_s)
     return LLMSource(TorchTarget.load(draft, device=device), target_tokenizer=env.tokenizer, **options)
 
 

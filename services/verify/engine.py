@@ -51,7 +51,7 @@ def build_decoder(
     if unknown:
         raise ValueError(f"options given for unknown draft sources: {', '.join(unknown)}")
     env = registry.SourceEnv(tokenizer=target.tokenizer, vocab_size=target.vocab_size, redis_url=redis_url,
-                             answer_store_max_bytes=answer_store_max_bytes)
+                             answer_store_max_bytes=answer_store_max_bytes, step_deadline_s=source_deadline_s)
     options = dict(options)
     if rag_budget_bytes is not None and "rag" in names:
         options["rag"] = {"budget_bytes": rag_budget_bytes, **options.get("rag", {})}

@@ -398,3 +398,29 @@ def test_smollm2_drafting_for_gemma3_is_lossless():
         f"verify {1000 * sum(s.verify_s for s in got.steps) / len(got.steps):.1f} ms/step, "
         f"plain {1000 * want.seconds / len(want.steps):.1f} ms/step"
     )
+
+
+# ---------------------------------------------------------------------- in a verifier
+def test_in_a_verifier_the_source_drafts_on_the_compute_thread_within_the_step_deadline(target, perfect, monkeypatch):
+    """It runs on the compute thread, taking turns with the target's forwards (draft.base), where
+    the step's source deadline cannot stop it: that deadline becomes its own time limit."""
+    import threading
+
+    from draftmesh import compute
+    from draftmesh.draft import registry
+    from draftmesh.verify.engine import build_decoder
+
+    monkeypatch.setattr(registry.TorchTarget, "load", staticmethod(lambda spec, **kw: perfect))  # no second model
+    threads: set[int] = set()
+    hook = perfect.model.get_input_embeddings().register_forward_pre_hook(lambda m, a: threads.add(threading.get_ident()))
+    try:
+        spec = build_decoder(target, ("llm",), source_deadline_s=0.25, builder_config=BuilderConfig(max_nodes=16))
+        timed = build_decoder(target, ("llm",), source_deadline_s=0.25, source_options={"llm": {"max_seconds": 1.5}})
+        req = GenerationRequest(tuple(prompt(18, 5)), max_new_tokens=20)
+        got = spec.generate(req)
+    finally:
+        hook.remove()
+    assert [s.max_seconds for s in spec.sources] == [0.25] and [s.max_seconds for s in timed.sources] == [1.5]
+    assert got.token_ids == SpeculativeDecoder(target).generate(req).token_ids
+    assert threads == {compute.run(threading.get_ident)}
+    assert spec.sources[0].stats.calls > 0 and got.mean_accepted_per_step > 1.0
