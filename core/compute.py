@@ -11,10 +11,11 @@ SmolLM2-135M forward took 41 ms on the thread that loaded the model and 80 ms on
 (46 ms there single-threaded). Every forward, measurement and model load of a target therefore
 runs on this one long-lived thread; calls made on it run directly (no deadlock on nesting).
 
-A worker thread that must run torch ops of its own (a draft source's model on the sources'
-pool, a draft service's request threads) runs them single-threaded (``confine_side_thread``):
-with one side thread's team alive, a one-token SmolLM2-135M step on the compute thread went
-from 34.9 to 52.9 ms on a 2-core box, and with the side thread at one thread it stayed at 33.4.
+A draft source that runs a model is called here too (``draftmesh.draft.base.propose_on_compute``).
+Worker threads that may still run torch (the sources' pool, a draft service's request threads)
+do so single-threaded (``confine_side_thread``): with one side thread's team alive, a one-token
+SmolLM2-135M step on the compute thread went from 34.9 to 52.9 ms on a 2-core box, and with the
+side thread at one thread it stayed at 33.4.
 """
 
 from __future__ import annotations
