@@ -1,8 +1,10 @@
-"""A draft source that records the torch width its calls run at: the llm source runs its model in
-``propose``, on whatever worker thread calls it (see ``draftmesh.compute.confine_side_thread``)."""
+"""Draft sources that record where their calls run: the torch width of a worker thread (a source
+that runs torch without saying so, ``draftmesh.compute.confine_side_thread``), or the thread
+itself (a compute-bound one, ``draftmesh.draft.base.propose_on_compute``)."""
 
 from __future__ import annotations
 
+import threading
 from contextlib import contextmanager
 from typing import Iterator
 
@@ -41,17 +43,12 @@ class ComputeBoundSource:
     compute_bound = True
 
     def __init__(self, env=None, **options) -> None:
-        import threading
-
-        self._ident = threading.get_ident
         self.threads: list[int] = []
 
     def propose(self, ctx: DraftContext) -> list[Proposal]:
-        self.threads.append(self._ident())
+        self.threads.append(threading.get_ident())
         return [Proposal(self.name, token_ids=(9,))]
 
 
 def compute_thread() -> int:
-    import threading
-
     return compute.run(threading.get_ident)

@@ -36,8 +36,9 @@ class DraftDeployment:
         self.name = name
         self.source = build_source(name, model, options=spec.options, factory=spec.factory, redis_url=redis_url,
                                    answer_store_max_bytes=answer_store_max_bytes)
-        # The calls run here, as many as Serve lets in (max_ongoing_requests); a source's torch
-        # (the llm source's model) single-threaded on each, or their OpenMP teams throttle each other
+        # The calls run here, as many as Serve lets in (max_ongoing_requests). A compute-bound source
+        # (the llm source) hands its work on to the compute thread; torch that another source runs
+        # here is single-threaded, or the threads' OpenMP teams would throttle each other
         # (draftmesh.compute). Not a module global: see above.
         self._pool = cf.ThreadPoolExecutor(max_workers=8, thread_name_prefix=f"draft-{name}",
                                            initializer=compute.confine_side_thread)

@@ -70,8 +70,8 @@ class SourceCaller:
             raise ValueError(f"need max_workers >= 1 and max_per_source >= 1, got {max_workers}, {max_per_source}")
         self.deadline_s = deadline_s
         self.max_per_source = max_per_source
-        # A source may run torch (the llm source's model): single-threaded here, or its thread's
-        # OpenMP team would slow every forward of the compute thread (draftmesh.compute).
+        # A source that runs torch without saying so (compute_bound) does it single-threaded here, or
+        # its thread's OpenMP team would slow every forward of the compute thread (draftmesh.compute).
         self._pool = cf.ThreadPoolExecutor(max_workers=max_workers, thread_name_prefix="draft-source",
                                            initializer=compute.confine_side_thread) if deadline_s else None
         self._running: dict[tuple[str, str], _Call] = {}

@@ -12,6 +12,7 @@ import torch
 from draftmesh import compute
 from draftmesh.io_struct import GenerationRequest
 from draftmesh.verify.decoder import SpeculativeDecoder
+from thread_width import process_width
 
 
 def test_run_is_one_thread_nests_and_raises():
@@ -86,7 +87,6 @@ def test_a_side_thread_runs_torch_single_threaded_and_the_compute_thread_keeps_i
     slow every forward of the compute thread (draftmesh.compute); confined, it starts none. Torch
     then starts new threads at one, but a compute thread started later (a forked child's) keeps
     the width set for it."""
-    before = compute.get_threads()
     seen: dict[str, int] = {}
 
     def side() -> None:
@@ -94,8 +94,7 @@ def test_a_side_thread_runs_torch_single_threaded_and_the_compute_thread_keeps_i
         compute.confine_side_thread()
         seen["confined"] = torch.get_num_threads()
 
-    try:
-        compute.set_threads(2)
+    with process_width(2):
         thread = threading.Thread(target=side)
         thread.start()
         thread.join(30)
@@ -103,6 +102,3 @@ def test_a_side_thread_runs_torch_single_threaded_and_the_compute_thread_keeps_i
         compute.run(compute.confine_side_thread)  # on the compute thread itself: nothing to do
         assert compute.get_threads() == 2
         assert in_forked_child(_child_width) == 2
-    finally:
-        compute.set_threads(before)
-        torch.set_num_threads(before)

@@ -342,7 +342,7 @@ def test_an_answer_larger_than_we_read_fails_that_call_only(clients):
 
 def test_served_sources_run_torch_single_threaded(serve, clients):
     """Each server thread at the process's width would start an OpenMP team of its own: a served
-    llm source's concurrent calls would throttle each other (draftmesh.compute)."""
+    source's concurrent torch calls would throttle each other (draftmesh.compute)."""
     source = ThreadWidthSource()
     with process_width(2):
         client = clients("llm", f"127.0.0.1:{serve(source, max_workers=2)}", timeout_s=TIMEOUT)
