@@ -210,7 +210,7 @@ class Router(HttpFace):
         for attempt in (1, 2):
             handle = self.verifier.options(stream=True, multiplexed_model_id=req.session_id or "")
             stream = handle.generate.remote(req)
-            started = False
+            started = ended = False
             try:
                 async for event in stream:
                     if isinstance(event, Rejected):
@@ -219,6 +219,7 @@ class Router(HttpFace):
                         raise RpcError(grpc.StatusCode.INVALID_ARGUMENT, event.message, _rejected_field(event.message))
                     started = True
                     yield event
+                ended = True
                 return
             except (RpcError, asyncio.CancelledError, GeneratorExit):
                 raise
@@ -229,7 +230,8 @@ class Router(HttpFace):
                 raise internal_error(exc, client_id,
                                      grpc.StatusCode.UNAVAILABLE if _is_replica_loss(exc) else grpc.StatusCode.INTERNAL)
             finally:
-                stream.cancel()
+                if not ended:  # a stream run to its end has nothing to stop: no ray.cancel round trip
+                    stream.cancel()
 
 
 @contextmanager
