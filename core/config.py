@@ -354,7 +354,9 @@ class ServeConfig:
     verifier_replicas: int = option(1, min=1, help="verifier pool replicas (each holds the target model)")
     verifier_num_gpus: float = option(0.0, min=0, help="GPUs per verifier replica")
     verifier_num_cpus: float = option(1.0, min=0, help="CPUs reserved per verifier replica")
-    verifier_max_ongoing: int = option(4, min=1, help="requests one verifier replica runs at once (steps interleave)")
+    verifier_max_ongoing: int = option(
+        32, min=1, help="requests Serve routes to one verifier replica at once: up to engine.max_batch_rows of them "
+                        "decode together in its batch, the rest wait in its queue (engine.max_waiting)")
     session_cache_size: int = option(64, min=0, help="sessions whose KV cache a verifier replica keeps")
     router_replicas: int = option(1, min=1, help="router (ingress) replicas")
     max_in_flight: int = option(32, min=1, help="requests a router replica admits at once; beyond: RESOURCE_EXHAUSTED")

@@ -183,3 +183,11 @@ def test_engine_and_builder_sections_are_what_the_engine_reads():
     assert cfg.builder.max_nodes == 7 and cfg.engine.model == "m" and cfg.builder.min_gain == BuilderConfig().min_gain
     with pytest.raises(dataclasses.FrozenInstanceError):
         cfg.engine.model = "x"  # type: ignore[misc]
+
+
+def test_a_verifier_replica_is_routed_a_full_batch_by_default():
+    """Serve routes a replica at most serve.verifier_max_ongoing requests: below engine.max_batch_rows,
+    `draftmesh serve` would cap continuous batching there, whatever the engine can batch."""
+    cfg = DraftmeshConfig()
+    assert cfg.serve.verifier_max_ongoing >= cfg.engine.max_batch_rows
+    assert cfg.serve.max_in_flight >= cfg.serve.verifier_max_ongoing  # the router admits as many

@@ -98,7 +98,7 @@ def test_wrong_values_fail_with_a_message_naming_them(values, names):
     ({"verifier": {"numGpus": 0, "device": "cpu"}}, "nothing asks for a GPU"),
     ({"verifier": {"numGpus": 2}}, "a replica must fit in one pod"),
     ({"verifier": {"autoscaling": {"enabled": True, "minReplicas": 5, "maxReplicas": 2}}}, "minReplicas (5) is above maxReplicas (2)"),
-    ({"verifier": {"autoscaling": {"enabled": True, "targetOngoingRequests": 9}}}, "Serve would never scale up"),
+    ({"verifier": {"maxOngoingRequests": 8, "autoscaling": {"enabled": True, "targetOngoingRequests": 9}}}, "Serve would never scale up"),
     ({"auth": {"existingSecret": "s", "apiKeys": ["k"]}}, "either existingSecret or apiKeys"),
     ({"factcheck": {"options": {"redis_url": "redis://x"}}}, "redis_url"),
 ])
@@ -126,6 +126,11 @@ def test_source_names_are_the_registrys():
     assert set(schema_at("sources", "deployments")["propertyNames"]["enum"]) == names
     assert tuple(chart().values["sources"]["enabled"]) == DEFAULT_SOURCES, "the chart's default is the app's"
     assert set(chart().values["sources"]["deployments"]) <= names
+
+
+def test_a_verifier_replica_is_routed_a_full_batch_by_default():
+    """The chart's default is the app's: as many requests as a replica's batch holds."""
+    assert chart().values["verifier"]["maxOngoingRequests"] == DraftmeshConfig().serve.verifier_max_ongoing
 
 
 def test_enums_are_the_apps():
