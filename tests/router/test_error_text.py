@@ -12,6 +12,7 @@ from types import SimpleNamespace
 
 import grpc
 import pytest
+from stand_in_verifier import StandInStream, router_with
 
 from draftmesh.io_struct import ServeRequest
 from draftmesh.router import ingress
@@ -60,30 +61,8 @@ def test_an_unexpected_exception_on_the_grpc_face_is_generic(caplog):
     assert any(rid in r.getMessage() and SECRET in r.getMessage() for r in caplog.records)
 
 
-class FailingStream:
-    def __init__(self, exc):
-        self.exc = exc
-
-    def __aiter__(self):
-        return self
-
-    async def __anext__(self):
-        raise self.exc
-
-    def cancel(self):
-        pass
-
-
-class FailingVerifier:
-    def __init__(self, exc):
-        self.generate = SimpleNamespace(remote=lambda req: FailingStream(exc))
-
-    def options(self, **_):
-        return self
-
-
 def test_a_verifier_failure_is_generic_with_the_request_id(caplog):
-    router = SimpleNamespace(verifier=FailingVerifier(ValueError(SECRET)))
+    router = router_with(StandInStream(fail=ValueError(SECRET)))
     req = ServeRequest(request_id="req-42", prompt="x", tenant="alice")  # the client's id, not the scoped one
 
     async def run():

@@ -6,48 +6,13 @@ own steps with a stand-in verifier (pure logic, no Ray)."""
 from __future__ import annotations
 
 import asyncio
-from types import SimpleNamespace
 
 import pytest
+from stand_in_verifier import StandInStream, router_with
 
 from draftmesh.io_struct import ServeRequest
 from draftmesh.router import ingress
 from draftmesh.router.errors import RpcError
-
-
-class Stream:
-    """A verifier call's stream of events; ``fail`` is raised after them."""
-
-    def __init__(self, events, fail: BaseException | None = None):
-        self.events = list(events)
-        self.fail = fail
-        self.cancelled = 0
-
-    def __aiter__(self):
-        return self
-
-    async def __anext__(self):
-        if self.events:
-            return self.events.pop(0)
-        if self.fail is not None:
-            raise self.fail
-        raise StopAsyncIteration
-
-    def cancel(self):
-        self.cancelled += 1
-
-
-class Verifier:
-    def __init__(self, stream: Stream):
-        self.stream = stream
-        self.generate = SimpleNamespace(remote=lambda req: stream)
-
-    def options(self, **_):
-        return self
-
-
-def _router(stream: Stream):
-    return SimpleNamespace(verifier=Verifier(stream))
 
 
 def _request() -> ServeRequest:
@@ -55,20 +20,20 @@ def _request() -> ServeRequest:
 
 
 def test_a_stream_run_to_its_end_is_not_cancelled():
-    stream = Stream(["a", "b", "c"])
+    stream = StandInStream(["a", "b", "c"])
 
     async def run():
-        return [e async for e in ingress.Router.func_or_class._events(_router(stream), _request())]
+        return [e async for e in ingress.Router.func_or_class._events(router_with(stream), _request())]
 
     assert asyncio.run(run()) == ["a", "b", "c"]
     assert stream.cancelled == 0
 
 
 def test_a_caller_that_leaves_early_cancels_the_stream():
-    stream = Stream(["a", "b", "c"])
+    stream = StandInStream(["a", "b", "c"])
 
     async def run():
-        events = ingress.Router.func_or_class._events(_router(stream), _request())
+        events = ingress.Router.func_or_class._events(router_with(stream), _request())
         first = await events.__anext__()
         await events.aclose()  # the client went away: the router's generator is closed
         return first
@@ -78,10 +43,10 @@ def test_a_caller_that_leaves_early_cancels_the_stream():
 
 
 def test_a_failed_stream_is_cancelled():
-    stream = Stream(["a"], fail=ValueError("boom"))
+    stream = StandInStream(["a"], fail=ValueError("boom"))
 
     async def run():
-        async for _ in ingress.Router.func_or_class._events(_router(stream), _request()):
+        async for _ in ingress.Router.func_or_class._events(router_with(stream), _request()):
             pass
 
     with pytest.raises(RpcError):
