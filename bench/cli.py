@@ -66,6 +66,11 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         "else .venv-vllm/bin/python, which `make vllm-env` creates)",
     )
     parser.add_argument(
+        "--vllm-eager", action="store_true",
+        help="run vLLM without torch.compile: it starts ~1.5 min sooner on a 2-core CPU but decodes slower, "
+        "so its figures are labelled '(eager)'; for checks of the runner, not for comparisons",
+    )
+    parser.add_argument(
         "--repeats", type=positive_int, default=3, metavar="N",
         help="passes over the workload; the median time per item and method is kept (default: %(default)s)",
     )

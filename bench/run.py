@@ -152,7 +152,8 @@ def run(args: argparse.Namespace) -> int:
                 for m in vllm_methods:
                     try:
                         worker = start_vllm(vllm_python, local_model_folder(model_spec), dtype=dtype, threads=threads,
-                                            max_len=max_model_len(prepared, target.max_context), method=m.name)
+                                            max_len=max_model_len(prepared, target.max_context), method=m.name,
+                                            eager=bool(opt("vllm_eager")))
                     except (VLLMError, ValueError, FileNotFoundError) as exc:
                         return _error(str(exc))
                     cleanup.callback(worker.close)
@@ -282,7 +283,7 @@ def _run_concurrency(args, cfg, target, prepared, threads: int, tls_ca: bytes | 
             try:
                 worker = start_vllm(find_vllm_python(opt("vllm_python")), local_model_folder(cfg.engine.model),
                                     dtype=str(target.dtype).replace("torch.", ""), threads=threads,
-                                    max_len=max_model_len(prepared, target.max_context))
+                                    max_len=max_model_len(prepared, target.max_context), eager=bool(opt("vllm_eager")))
             except (VLLMError, ValueError, FileNotFoundError) as exc:
                 return _error(str(exc))
             cleanup.callback(worker.close)
@@ -303,7 +304,11 @@ def _run_concurrency(args, cfg, target, prepared, threads: int, tls_ca: bytes | 
                       "command": opt("command_line") or command_line("draftmesh bench"), "machine": machine_info(),
                       "model": cfg.engine.model, "threads": threads, "dtype": str(target.dtype).replace("torch.", ""),
                       "workload": {"path": str(args.workload), "items": len(prepared)}}
+    if VLLM_CONCURRENT in methods and opt("vllm_eager"):
+        report["meta"]["vllm_eager"] = True
     print(format_concurrency(report))
+    if report["meta"].get("vllm_eager"):
+        print("vllm ran eager (--vllm-eager, no torch.compile): its figures are not vLLM's best")
     _write_outputs(opt("json"), lambda: report, opt("plot"), lambda path: plot_concurrency(report, path))
     # another engine's outputs are compared for agreement (shown), not required to match (see vllm_runner)
     mismatched = sum(r["outputs"] - r["identical_to_plain_serial"] for r in report["rows"] if r["method"] not in external)

@@ -96,13 +96,15 @@ own n-gram example (5 draft tokens from a match of 2 to 4 tokens)."""
 
 
 def worker_command(python: Path, model_dir: str, *, dtype: str, max_model_len: int,
-                   speculative_config: Mapping[str, Any] | None = None) -> list[str]:
+                   speculative_config: Mapping[str, Any] | None = None, eager: bool = False) -> list[str]:
     # -P: the script's folder (this package's) is not put on sys.path, so none of its modules
     # can shadow a package vLLM imports.
     cmd = [str(python), "-P", str(WORKER_SCRIPT), "--model", model_dir, "--dtype", dtype,
            "--max-model-len", str(max_model_len)]
     if speculative_config:
         cmd += ["--speculative-config", json.dumps(dict(speculative_config))]
+    if eager:
+        cmd.append("--eager")
     return cmd
 
 
@@ -136,12 +138,19 @@ class VLLMRunner:
         except WorkerError as exc:
             raise VLLMError(str(exc)) from exc
         if self.startup is None:
-            spec = " + ngram" if self.name == VLLM_NGRAM else ""
-            self.startup = startup_record(self.worker, f"vllm {self.worker.ready.get('vllm', '?')}{spec}")
+            self.startup = startup_record(self.worker, engine_label(self.name, self.worker.ready))
         ids = cut_at_eos([int(t) for t in out["token_ids"]], self.eos_ids)
         text = self.tokenizer.decode(ids, skip_special_tokens=True) if self.tokenizer is not None else ""
         return ItemRun(item_id=item.id, kind=item.kind, method=self.name, token_ids=ids,
                        seconds=float(out["seconds"]), text=text, prompt_tokens=len(item.prompt_ids))
+
+
+def engine_label(method: str, ready: Mapping[str, Any]) -> str:
+    """What ran, as the report names it: vLLM's version, its speculation, and "(eager)" when it ran
+    without torch.compile (--vllm-eager), so an eager run's figures are never read as vLLM's best."""
+    spec = " + ngram" if method == VLLM_NGRAM else ""
+    eager = " (eager)" if ready.get("eager") else ""
+    return f"vllm {ready.get('vllm', '?')}{spec}{eager}"
 
 
 def startup_record(worker: WorkerProcess, what: str) -> dict[str, Any]:
@@ -167,11 +176,11 @@ def local_model_folder(spec: str) -> str:
 
 
 def start_vllm(python: Path, model_dir: str, *, dtype: str, threads: int, max_len: int, method: str = VLLM,
-               start_timeout_s: float = 900.0) -> WorkerProcess:
+               eager: bool = False, start_timeout_s: float = 900.0) -> WorkerProcess:
     """A vLLM worker for ``method``, loaded and ready (VLLMError naming what failed otherwise)."""
     try:
         return WorkerProcess(worker_command(python, model_dir, dtype=dtype, max_model_len=max_len,
-                                            speculative_config=SPECULATIVE_CONFIGS[method]),
+                                            speculative_config=SPECULATIVE_CONFIGS[method], eager=eager),
                              env=worker_environment(threads, preload=preloads(python)),
                              start_timeout_s=start_timeout_s, name="vllm")
     except WorkerError as exc:

@@ -113,6 +113,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--speculative-config", default=None, metavar="JSON",
                         help="vLLM's speculative_config, e.g. n-gram prompt lookup (default: none, plain decoding)")
+    parser.add_argument("--eager", action="store_true",
+                        help="no torch.compile (CompilationMode.NONE): a faster start, a slower decode")
     args = parser.parse_args(argv)
     send = reply_channel()
 
@@ -131,8 +133,11 @@ def main(argv: list[str] | None = None) -> int:
         generation_config="vllm",
         enable_prefix_caching=False,
         speculative_config=json.loads(args.speculative_config) if args.speculative_config else None,
+        # mode 0 is CompilationMode.NONE: the model runs as plain PyTorch, skipping ~1.5 min of compiling
+        **({"compilation_config": {"mode": 0}} if args.eager else {}),
     )
-    send({"event": "ready", "load_s": time.perf_counter() - t0, "vllm": vllm.__version__, "pid": os.getpid()})
+    send({"event": "ready", "load_s": time.perf_counter() - t0, "vllm": vllm.__version__, "pid": os.getpid(),
+          "eager": args.eager})
 
     def params_of(msg):
         return SamplingParams(

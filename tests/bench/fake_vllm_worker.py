@@ -23,6 +23,7 @@ parser.add_argument("--model", required=True)
 parser.add_argument("--dtype", required=True)
 parser.add_argument("--max-model-len", type=int, required=True)
 parser.add_argument("--speculative-config", default=None)
+parser.add_argument("--eager", action="store_true")
 args = parser.parse_args(sys.argv[3:])
 out = os.fdopen(os.dup(1), "w", buffering=1)
 os.dup2(2, 1)
@@ -44,7 +45,7 @@ import torch  # noqa: E402
 from transformers import AutoModelForCausalLM, GenerationConfig  # noqa: E402
 
 model = AutoModelForCausalLM.from_pretrained(args.model, dtype=getattr(torch, args.dtype)).eval()
-out.write(json.dumps({"event": "ready", "load_s": 0.1, "vllm": "fake", "pid": os.getpid(),
+out.write(json.dumps({"event": "ready", "load_s": 0.1, "vllm": "fake", "pid": os.getpid(), "eager": args.eager,
                       "speculative_config": json.loads(args.speculative_config) if args.speculative_config else None,
                       "child": child.pid if os.environ.get("FAKE_VLLM_CHILD") else None}) + "\n")
 out.flush()

@@ -203,6 +203,8 @@ def test_each_vllm_method_gets_its_speculative_config():
                            speculative_config=SPECULATIVE_CONFIGS["vllm-ngram"])
     assert json.loads(ngram[ngram.index("--speculative-config") + 1])["method"] == "ngram"
     assert SPECULATIVE_CONFIGS["vllm"] is None
+    assert "--eager" not in plain
+    assert worker_command(Path("/v/bin/python"), "/m", dtype="float32", max_model_len=512, eager=True)[-1] == "--eager"
     assert [m.family for m in parse_methods("vllm,vllm-ngram")] == ["engine", "vllm", "vllm"]
 
 
@@ -234,7 +236,7 @@ def fake_vllm_python(tmp_path):
     return path
 
 
-def bench(tmp_path, folder, python, capsys, methods="plain,vllm,draftmesh"):
+def bench(tmp_path, folder, python, capsys, methods="plain,vllm,draftmesh", extra=()):
     from bench_args import parse, workload_file
 
     from draftmesh.bench.run import run
@@ -242,7 +244,7 @@ def bench(tmp_path, folder, python, capsys, methods="plain,vllm,draftmesh"):
     out = tmp_path / "out.json"
     args = parse(["--workload", str(workload_file(tmp_path, n=3, max_new_tokens=8)), "--methods", methods,
                   "--repeats", "1", "--threads", "1", "--json", str(out), "--no-progress", "--model", str(folder),
-                  "--vllm-python", str(python), "--no-cost-curve"])
+                  "--vllm-python", str(python), "--no-cost-curve", *extra])
     code = run(args)
     return code, capsys.readouterr(), (json.loads(out.read_text()) if out.exists() else None)
 
@@ -268,11 +270,14 @@ def test_a_difference_from_vllm_is_reported_with_the_gap_but_does_not_fail_the_r
     tmp_path, tiny_folder, fake_vllm_python, capsys, monkeypatch
 ):
     monkeypatch.setenv("FAKE_VLLM_FLIP", "2")
-    code, printed, data = bench(tmp_path, tiny_folder, fake_vllm_python, capsys, methods="plain,vllm,vllm-ngram")
+    code, printed, data = bench(tmp_path, tiny_folder, fake_vllm_python, capsys, methods="plain,vllm,vllm-ngram",
+                                extra=["--vllm-eager"])
     assert code == 0, printed.err
     rows = [r for r in data["other_engines"]["agreement"] if r["method"] == "vllm"]
     assert len(data["other_engines"]["agreement"]) == 6
-    assert data["startup"]["engines"]["vllm-ngram"]["engine"] == "vllm fake + ngram"
+    # an eager vLLM (no torch.compile) is labelled so, never read as vLLM's best
+    assert data["startup"]["engines"]["vllm-ngram"]["engine"] == "vllm fake + ngram (eager)"
+    assert data["startup"]["engines"]["vllm"]["engine"] == "vllm fake (eager)"
     assert len(rows) == 3 and all(r["identical_to_plain"] is False and r["first_difference"] == 2 for r in rows)
     assert all(r["plain_top2_gap"] is not None and r["plain_top2_gap"] >= 0 for r in rows)
     assert data["mismatches"] == []  # not a lossless violation
