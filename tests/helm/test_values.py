@@ -133,6 +133,13 @@ def test_a_verifier_replica_is_routed_a_full_batch_by_default():
     assert chart().values["verifier"]["maxOngoingRequests"] == DraftmeshConfig().serve.verifier_max_ongoing
 
 
+def test_an_autoscaled_verifier_scales_out_at_half_a_batch():
+    """Serve's generic target (2 ongoing requests) would add a GPU replica while a batching one
+    still had most of its rows free."""
+    verifier = chart().values["verifier"]
+    assert verifier["autoscaling"]["targetOngoingRequests"] * 2 == verifier["maxOngoingRequests"]
+
+
 def test_enums_are_the_apps():
     assert schema_at("verifier", "dtype")["enum"] == list(typing.get_args(Dtype))
     assert schema_at("rayService", "logLevel")["enum"] == list(typing.get_args(LogLevel))
