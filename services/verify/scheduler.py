@@ -5,7 +5,8 @@ order while the KV budget allows, (2) gives prefilling requests chunks of their 
 (bounded tokens per forward, so a long prompt never stalls the others' decoding), (3) asks
 each decoding request's sources and builds its candidate tree, (4) picks the batch's nodes
 with one budget (``choose_nodes``: expected committed tokens of the whole batch per unit of
-the batched forward's measured cost), (5) runs one forward over every row, (6) lets each
+step time: the batched forward's measured cost, plus what recent steps spent outside their
+forward), (5) runs one forward over every row, (6) lets each
 request accept under its own policy and RNG, commit its KV and emit. Requests join and
 leave between steps.
 
@@ -37,7 +38,7 @@ from draftmesh.backend import ForwardInterrupted, KVState
 from draftmesh.batch_kv import SlotKVCache
 from draftmesh.io_struct import GenerationRequest, GenerationResult, StepEvent
 from draftmesh.verify.request_run import RequestRun, StepPlan
-from draftmesh.verify.tree_builder import BatchCost, CostModel, ScoredTree, choose_nodes
+from draftmesh.verify.tree_builder import BatchCost, CostModel, ScoredTree, StepOverhead, choose_nodes
 
 log = logging.getLogger(__name__)
 
@@ -110,6 +111,7 @@ class BatchScheduler:
         self._progress = threading.Condition(threading.Lock())
         self.stats = SchedulerStats()
         self._cost: BatchCost | None = None
+        self._overhead: StepOverhead | None = None
 
     # ------------------------------------------------------------------ callers
     def submit(self, run: RequestRun) -> Ticket:
@@ -239,7 +241,8 @@ class BatchScheduler:
                 base_tokens += len(run.plan.tree)
         if candidates:
             keep = choose_nodes(candidates, self._batch_cost(), rows=len(stepping), base_tokens=base_tokens,
-                                min_gain=decoder.builder.config.min_gain, max_tokens=limits.max_batch_tokens)
+                                min_gain=decoder.builder.config.min_gain, max_tokens=limits.max_batch_tokens,
+                                overhead=self._step_overhead()(len(stepping)))
             for t, cand, k in zip(drafted, candidates, keep):
                 t.run.plan.tree = cand.select(k)
         if not stepping:
@@ -294,7 +297,9 @@ class BatchScheduler:
         st.drafted_rows += speculating
         st.max_rows_seen = max(st.max_rows_seen, len(inputs))
         st.forward_s_total += verify_s
-        st.step_s_total += time.perf_counter() - t_step
+        step_s = time.perf_counter() - t_step
+        st.step_s_total += step_s
+        self._step_overhead().record(step_s, verify_s, len(inputs))
         if self.observer is not None:
             self.observer.batch(rows=len(inputs), tokens=tokens, queued=len(self._waiting),
                                 kv_bytes=self.kv.allocated_bytes, speculating=speculating)
@@ -400,6 +405,14 @@ class BatchScheduler:
                 if t.run.row == moved:
                     t.run.row = row
                     break
+
+    def _step_overhead(self) -> StepOverhead:
+        """The steps' time outside the forward, in the budget's unit (a batch-1 one-token forward,
+        known once the target's cost was measured), which the budget adds to every forward it weighs."""
+        if self._overhead is None or self._overhead.unit_s is None:
+            target = self.decoder.target
+            self._overhead = StepOverhead(getattr(target, "batch_step_seconds", None) or getattr(target, "step_seconds", None))
+        return self._overhead
 
     def _batch_cost(self) -> BatchCost:
         if self._cost is None:

@@ -117,19 +117,44 @@ class ScoredTree:
         return out
 
 
+class StepOverhead:
+    """What a batch step costs outside its forward (asking the sources, the budget, accepting,
+    emitting), per row, in units of a batch-1 one-token forward, averaged over recent steps.
+
+    A step pays it whatever its trees hold, so the budget adds it to every forward it weighs:
+    a tree's extra tokens are measured against the whole step, not the forward alone."""
+
+    def __init__(self, unit_s: float | None, halflife: float = 32.0) -> None:
+        self.unit_s = unit_s if unit_s and unit_s > 0 else None
+        self.alpha = 1 - 0.5 ** (1 / halflife)
+        self.per_row = 0.0
+        self.steps = 0
+
+    def record(self, step_s: float, forward_s: float, rows: int) -> None:
+        if self.unit_s is None or rows < 1:
+            return
+        sample = max(0.0, step_s - forward_s) / rows / self.unit_s
+        self.per_row = sample if self.steps == 0 else self.per_row + self.alpha * (sample - self.per_row)
+        self.steps += 1
+
+    def __call__(self, rows: int) -> float:
+        return self.per_row * rows
+
+
 def choose_nodes(
     candidates: Sequence[ScoredTree | None], cost: BatchCost, *, rows: int, base_tokens: int, min_gain: float,
-    max_tokens: int | None = None,
+    max_tokens: int | None = None, overhead: float = 0.0,
 ) -> list[list[int]]:
     """The nodes to verify, per candidate, for the whole batch's forward.
 
     Nodes of every request compete by score (a child never scores above its parent, so any
     prefix of the order is ancestor-closed); the prefix kept maximizes expected committed
-    tokens of the batch per unit of step time: ``(rows + sum of kept scores) / cost(rows,
-    base_tokens + kept)``, where ``base_tokens`` is what the step holds anyway (every
-    request's root, prefill chunks, fixed trees). Nothing is kept unless that beats a plain
-    step by ``min_gain``. At batch 1 this is the single-request builder's rule; as the batch
-    grows each node must pay for a larger forward, so trees shrink, then vanish.
+    tokens of the batch per unit of step time: ``(rows + sum of kept scores) / (cost(rows,
+    base_tokens + kept) + overhead)``, where ``base_tokens`` is what the step holds anyway
+    (every request's root, prefill chunks, fixed trees) and ``overhead`` the step's time outside
+    the forward (``StepOverhead``). Nothing is kept unless that beats a plain step by
+    ``min_gain``. At batch 1 this is the single-request builder's rule; as the batch grows each
+    node must pay for a larger forward, so trees shrink, then vanish.
     """
     pool = []
     for c, cand in enumerate(candidates):
@@ -140,11 +165,11 @@ def choose_nodes(
     pool.sort(key=lambda x: (-x[0], x[1], x[2]))
     if max_tokens is not None:
         pool = pool[: max(0, max_tokens - base_tokens)]
-    plain = rows / cost(rows, base_tokens)
+    plain = rows / (cost(rows, base_tokens) + overhead)
     best_k, best_rate, expected = 0, plain, float(rows)
     for k, (score, _, _) in enumerate(pool, start=1):
         expected += score
-        rate = expected / cost(rows, base_tokens + k)
+        rate = expected / (cost(rows, base_tokens + k) + overhead)
         if rate > best_rate:
             best_k, best_rate = k, rate
     keep: list[list[int]] = [[] for _ in candidates]

@@ -363,6 +363,33 @@ def test_the_batch_budget_shrinks_trees_as_the_batch_grows():
     assert sc.select(keep).tokens == tree.tokens and 0 < len(tree) < 20
 
 
+def test_the_batch_budget_is_given_the_steps_time_outside_the_forward(tiny, monkeypatch):
+    """The scheduler measures what its steps spend outside the forward and hands it to the budget,
+    in units of the target's one-token forward; outputs stay each request's own plain greedy."""
+    import draftmesh.verify.scheduler as scheduler_module
+
+    monkeypatch.setattr(tiny, "batch_step_seconds", 1e-6)  # a tiny unit: any real overhead is large in it
+    given = []
+
+    def recording(*args, **kwargs):
+        given.append(kwargs["overhead"])
+        return choose_nodes(*args, **kwargs)
+
+    monkeypatch.setattr(scheduler_module, "choose_nodes", recording)
+    rng = random.Random(8)
+    script = PerRequestScript(tiny.vocab_size, seed=8)
+    decoder = SpeculativeDecoder(tiny, [script], CostAwareTreeBuilder({1: 1.0, 64: 1.0}))
+    schedule, want = [], {}
+    for i in range(3):
+        prompt = random_prompt(rng, tiny.vocab_size)
+        want[i] = reference_greedy(tiny, prompt, 12)
+        script.truth[f"o{i}"] = want[i]
+        schedule.append((0, GenerationRequest(prompt, max_new_tokens=12, request_id=f"o{i}"), None))
+    results, _ = drive(decoder, schedule)
+    assert len(given) > 2 and given[0] == 0.0 and all(o > 0 for o in given[1:])
+    assert {i: tuple(r.token_ids) for i, r in results.items()} == {i: tuple(w) for i, w in want.items()}
+
+
 def test_speculation_off_requests_share_the_batch_with_speculating_ones(tiny):
     rng = random.Random(4)
     script = PerRequestScript(tiny.vocab_size, seed=3)

@@ -16,6 +16,7 @@ from draftmesh.verify.tree_builder import (
     CostAwareTreeBuilder,
     CostModel,
     ScoredTree,
+    StepOverhead,
     choose_nodes,
 )
 
@@ -53,6 +54,40 @@ def test_budget_maximizes_expected_tokens_per_unit_of_verify_time():
         best = max(range(len(rates)), key=lambda k: (rates[k], -k))
         want = best if rates[best] >= builder.config.min_gain else 0
         assert len(chosen) == want
+
+
+def test_the_budget_weighs_the_steps_time_outside_the_forward():
+    """With an overhead o (time a step spends outside its forward), the kept prefix maximizes
+    (1 + kept scores) / (cost + o): brute force agrees, and a fixed cost makes trees pay sooner."""
+    rng = random.Random(2)
+    cost = CostModel(CURVE)
+    for _ in range(50):
+        overhead = rng.choice([0.0, 0.05, 0.3, 1.0])
+        scores = sorted((rng.random() for _ in range(rng.randint(1, 40))), reverse=True)
+        chain = TokenTree.from_sequences([DraftSequence(tuple(range(len(scores))), "s")])
+        chosen = choose_nodes([ScoredTree(chain, list(scores), [{} for _ in scores], 64)], BatchCost(cost),
+                              rows=1, base_tokens=1, min_gain=1.02, overhead=overhead)[0]
+        rates = [(1 + sum(scores[:k])) / (cost(k + 1) + overhead) for k in range(len(scores) + 1)]
+        best = max(range(len(rates)), key=lambda k: (rates[k], -k))
+        assert len(chosen) == (best if rates[best] >= 1.02 * rates[0] else 0)
+    # one node at 0.12: 1.12 / 1.1 misses the 2% gain over a plain step; with a step twice its forward it pays
+    one = ScoredTree(TokenTree.from_sequences([DraftSequence((7,), "s")]), [0.12], [{}], 64)
+    assert choose_nodes([one], BatchCost(cost), rows=1, base_tokens=1, min_gain=1.02) == [[]]
+    assert choose_nodes([one], BatchCost(cost), rows=1, base_tokens=1, min_gain=1.02, overhead=1.0) == [[0]]
+
+
+def test_step_overhead_is_the_recent_time_outside_the_forward_per_row_in_forward_units():
+    overhead = StepOverhead(unit_s=0.02, halflife=1.0)
+    assert overhead(4) == 0.0  # nothing measured yet
+    overhead.record(step_s=0.05, forward_s=0.04, rows=2)  # 5 ms a row: 0.25 of a 20 ms forward
+    assert overhead(1) == pytest.approx(0.25) and overhead(4) == pytest.approx(1.0)
+    overhead.record(step_s=0.03, forward_s=0.03, rows=1)  # halflife 1: halfway to 0
+    assert overhead(1) == pytest.approx(0.125)
+    overhead.record(step_s=0.01, forward_s=0.02, rows=1)  # a clock that ran backwards counts as 0
+    assert overhead(1) == pytest.approx(0.0625)
+    unknown = StepOverhead(unit_s=None)  # the target's cost not measured: the budget weighs the forward alone
+    unknown.record(step_s=1.0, forward_s=0.0, rows=1)
+    assert unknown(8) == 0.0
 
 
 def test_flat_cost_takes_everything_and_steep_cost_takes_nothing():
