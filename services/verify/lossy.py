@@ -42,7 +42,7 @@ from typing import Any, Callable, Sequence
 import torch
 
 from draftmesh.io_struct import SamplingParams
-from draftmesh.sampling import sample, target_probs
+from draftmesh.sampling import greedy_tokens, sample, target_probs
 from draftmesh.tree import TokenTree
 from draftmesh.verify.acceptance import Verdict
 
@@ -90,7 +90,7 @@ class _Row:
             p = torch.softmax(logits.to(torch.float64), dim=-1)
         else:
             p = target_probs(logits, sampling)
-        return cls(logits, p, int(logits.argmax()))
+        return cls(logits, p, greedy_tokens(logits)[0])
 
     @property
     def entropy(self) -> float:
@@ -174,7 +174,7 @@ class _LossyPolicy:
         last = path[-1] if path else -1
         row = logits[last + 1]
         if sampling.greedy:
-            return int(row.argmax())
+            return greedy_tokens(row)[0]
         p = target_probs(row, sampling)
         rejected = [tree.tokens[c] for c in tree.children(last)]
         if rejected:  # every child of the last node was rejected (else the path would go on)
