@@ -289,7 +289,11 @@ def run_concurrency(target, items: Sequence[PreparedItem], levels: Sequence[int]
                            "kv_bytes_per_token": target.new_batch_cache(1 << 20).bytes_per_token,
                            "batch_cost": {str(r): {str(k): round(v, 3) for k, v in c.items()}
                                           for r, c in target.batch_cost.items()},
-                           "cost_curve": {str(k): round(v, 3) for k, v in target.cost_curve.items()}}
+                           "cost_curve": {str(k): round(v, 3) for k, v in target.cost_curve.items()},
+                           "same_run_ratios": {f"{a} / {b}": {str(c): {"ratio": round(v["ratio"], 3),
+                                                                        "runs": [round(x, 3) for x in v["runs"]]}
+                                                                for c, v in per_c.items()}
+                                               for (a, b), per_c in same_run_ratios(rows).items()}}
     if probe_tokens:
         progress(f"  prefill probe: {probe_tokens}-token prompt")
         out["prefill_probe"] = prefill_probe(target, engine, builder, min(probe_tokens, target.max_context - 16),
@@ -297,22 +301,55 @@ def run_concurrency(target, items: Sequence[PreparedItem], levels: Sequence[int]
     return out
 
 
-def mesh_ratios(rows: Sequence[Mapping[str, Any]]) -> dict[str, dict[int, float]]:
-    """Per mesh method whose in-process twin ran in the same report (``MESH_PAIRS``): its
-    tokens/s over the twin's, per C. Only a same-run ratio says what the mesh costs."""
-    tps = {(r["method"], r["concurrency"]): r["tokens_per_s"] for r in rows}
-    out: dict[str, dict[int, float]] = {}
-    for mesh, local in MESH_PAIRS:
-        for (m, c), v in sorted(tps.items(), key=lambda kv: kv[0][1]):
-            if m == mesh and tps.get((local, c)):
-                out.setdefault(mesh, {})[c] = v / tps[(local, c)]
+SAME_RUN_PAIRS = ((DRAFTMESH, PLAIN), *MESH_PAIRS)
+"""(method, the method it is compared with) for the report's same-run ratios: speculation's gain over
+batched plain decoding (the issue's targets), and each mesh method over its in-process twin."""
+
+
+def same_run_ratios(rows: Sequence[Mapping[str, Any]],
+                    pairs: Sequence[tuple[str, str]] = SAME_RUN_PAIRS) -> dict[tuple[str, str], dict[int, dict[str, Any]]]:
+    """Per pair whose two methods ran in the report, per C: ``{"ratio", "runs"}``, the first method's
+    tokens/s over the second's.
+
+    A repeat runs every method of a C back to back, so each repeat gives one paired ratio of passes
+    minutes apart, and the figure is the median of those: a box that drifts between repeats (a
+    shared 2-core box drifts by 10% and more) moves both passes of a pair, where a ratio of the
+    medians would set passes of different repeats against each other. Rows without per-repeat
+    figures give the ratio of their medians."""
+    by_key = {(r["method"], r["concurrency"]): r for r in rows}
+    out: dict[tuple[str, str], dict[int, dict[str, Any]]] = {}
+    for a, b in pairs:
+        for (m, c), row in sorted(by_key.items(), key=lambda kv: kv[0][1]):
+            ref = by_key.get((b, c))
+            if m != a or ref is None or not ref["tokens_per_s"]:
+                continue
+            runs_a, runs_b = row.get("tokens_per_s_runs"), ref.get("tokens_per_s_runs")
+            if runs_a and runs_b and len(runs_a) == len(runs_b) and all(runs_b):
+                runs = [x / y for x, y in zip(runs_a, runs_b)]
+            else:
+                runs = [row["tokens_per_s"] / ref["tokens_per_s"]]
+            out.setdefault((a, b), {})[c] = {"ratio": statistics.median(runs), "runs": runs}
     return out
 
 
-def mesh_ratio_lines(rows: Sequence[Mapping[str, Any]]) -> list[str]:
-    ratios = mesh_ratios(rows)
-    lines = [f"{mesh} / {local} (same run): " + ", ".join(f"{v:.2f}x at C={c}" for c, v in ratios[mesh].items())
-             for mesh, local in MESH_PAIRS if mesh in ratios]
+def mesh_ratios(rows: Sequence[Mapping[str, Any]]) -> dict[str, dict[int, float]]:
+    """Per mesh method whose in-process twin ran in the same report (``MESH_PAIRS``): its
+    tokens/s over the twin's, per C. Only a same-run ratio says what the mesh costs."""
+    return {a: {c: v["ratio"] for c, v in per_c.items()}
+            for (a, _), per_c in same_run_ratios(rows, MESH_PAIRS).items()}
+
+
+def same_run_ratio_lines(rows: Sequence[Mapping[str, Any]]) -> list[str]:
+    """One line per pair: the ratio at each C, and each repeat's where there were several."""
+    lines = []
+    for (a, b), per_c in same_run_ratios(rows).items():
+        parts = []
+        for c, v in per_c.items():
+            each = f" ({', '.join(f'{x:.2f}' for x in v['runs'])})" if len(v["runs"]) > 1 else ""
+            parts.append(f"{v['ratio']:.2f}x at C={c}{each}")
+        how = "same run, median of the repeats' paired ratios" if any(len(v["runs"]) > 1 for v in per_c.values()) \
+            else "same run"
+        lines.append(f"{a} / {b} ({how}): " + ", ".join(parts))
     return ["", *lines] if lines else []
 
 
@@ -336,7 +373,7 @@ def format_concurrency(report: dict[str, Any]) -> str:
         lines += ["", f"Prefill probe: a short request's time to first token {1e3 * probe['ttft_alone_s']:.0f} ms alone, "
                       f"{1e3 * probe['ttft_beside_long_prefill_s']:.0f} ms while a {probe['long_prompt_tokens']}-token prompt "
                       f"prefills in chunks of {probe['prefill_chunk']} ({probe['ratio']:.2f}x)"]
-    lines += mesh_ratio_lines(report["rows"])
+    lines += same_run_ratio_lines(report["rows"])
     if report.get("note"):
         lines += ["", report["note"]]
     lines.append(f"KV per token: {report['kv_bytes_per_token']} bytes")
