@@ -180,7 +180,9 @@ class BatchScheduler:
         """One forward for every active request; False when there was nothing to do."""
         t_step = time.perf_counter()
         self._drop_cancelled()
+        admitted = self.stats.admitted
         self._admit()
+        steady = self.stats.admitted == admitted  # no admission work in this step's time
         runs = [t for t in self._active if t.error is None and not t.done]
         if not runs:
             return False
@@ -299,7 +301,7 @@ class BatchScheduler:
         st.forward_s_total += verify_s
         step_s = time.perf_counter() - t_step
         st.step_s_total += step_s
-        self._step_overhead().record(step_s, verify_s, len(inputs))
+        self._step_overhead().record(step_s, verify_s, len(inputs), steady=steady)
         if self.observer is not None:
             self.observer.batch(rows=len(inputs), tokens=tokens, queued=len(self._waiting),
                                 kv_bytes=self.kv.allocated_bytes, speculating=speculating)

@@ -386,7 +386,9 @@ def test_the_batch_budget_is_given_the_steps_time_outside_the_forward(tiny, monk
         script.truth[f"o{i}"] = want[i]
         schedule.append((0, GenerationRequest(prompt, max_new_tokens=12, request_id=f"o{i}"), None))
     results, _ = drive(decoder, schedule)
-    assert len(given) > 2 and given[0] == 0.0 and all(o > 0 for o in given[1:])
+    # the first step admits all three (left out of the average), so the budget weighs the forward
+    # alone until a step has decoded without admitting; from then on it is given that step's time
+    assert len(given) >= 3 and given[0] == given[1] == 0.0 and all(o > 0 for o in given[2:])
     assert {i: tuple(r.token_ids) for i, r in results.items()} == {i: tuple(w) for i, w in want.items()}
 
 

@@ -76,18 +76,44 @@ def test_the_budget_weighs_the_steps_time_outside_the_forward():
     assert choose_nodes([one], BatchCost(cost), rows=1, base_tokens=1, min_gain=1.02, overhead=1.0) == [[0]]
 
 
-def test_step_overhead_is_the_recent_time_outside_the_forward_per_row_in_forward_units():
+def test_step_overhead_is_the_recent_time_outside_the_forward_per_batch_size_in_forward_units():
     overhead = StepOverhead(unit_s=0.02, halflife=1.0)
     assert overhead(4) == 0.0  # nothing measured yet
-    overhead.record(step_s=0.05, forward_s=0.04, rows=2)  # 5 ms a row: 0.25 of a 20 ms forward
-    assert overhead(1) == pytest.approx(0.25) and overhead(4) == pytest.approx(1.0)
-    overhead.record(step_s=0.03, forward_s=0.03, rows=1)  # halflife 1: halfway to 0
-    assert overhead(1) == pytest.approx(0.125)
-    overhead.record(step_s=0.01, forward_s=0.02, rows=1)  # a clock that ran backwards counts as 0
-    assert overhead(1) == pytest.approx(0.0625)
+    overhead.record(step_s=0.05, forward_s=0.04, rows=2)  # 10 ms outside: 0.5 of a 20 ms forward
+    assert overhead(2) == pytest.approx(0.5)
+    assert overhead(1) == overhead(4) == pytest.approx(0.5)  # the nearest batch size measured
+    overhead.record(step_s=0.03, forward_s=0.03, rows=2)  # halflife 1: halfway to 0
+    assert overhead(2) == pytest.approx(0.25)
+    overhead.record(step_s=0.01, forward_s=0.02, rows=2)  # a clock that ran backwards counts as 0
+    assert overhead(2) == pytest.approx(0.125)
+    overhead.record(step_s=0.06, forward_s=0.04, rows=6)  # 1.0 at 6 rows
+    assert overhead(4) == pytest.approx(0.5625)  # between two measured sizes: interpolated
+    assert overhead(8) == pytest.approx(1.0)
     unknown = StepOverhead(unit_s=None)  # the target's cost not measured: the budget weighs the forward alone
     unknown.record(step_s=1.0, forward_s=0.0, rows=1)
     assert unknown(8) == 0.0
+
+
+def test_step_overhead_of_a_big_batch_is_what_its_steps_spent_not_rows_times_a_small_ones():
+    """Measured on a 2-core box: ~4 ms outside the forward at 1 row, ~6 ms at 8. After a pass's first
+    1-row steps, an 8-row step's overhead must read ~6 ms (0.19 of a 32 ms forward), not 8 x 4 ms:
+    that overstated every step's price and made the budget buy trees that did not pay."""
+    unit = 0.032
+    overhead = StepOverhead(unit_s=unit)
+    for _ in range(3):
+        overhead.record(step_s=unit + 0.004, forward_s=unit, rows=1)
+    for _ in range(40):
+        overhead.record(step_s=0.05 + 0.006, forward_s=0.05, rows=8)
+    assert overhead(1) == pytest.approx(0.004 / unit)
+    assert overhead(8) == pytest.approx(0.006 / unit)
+
+
+def test_step_overhead_leaves_out_the_steps_that_admitted_a_request():
+    overhead = StepOverhead(unit_s=0.02)
+    overhead.record(step_s=0.5, forward_s=0.1, rows=4, steady=False)  # a slab grown, traces started
+    assert overhead(4) == 0.0
+    overhead.record(step_s=0.103, forward_s=0.1, rows=4)
+    assert overhead(4) == pytest.approx(0.15)
 
 
 def test_flat_cost_takes_everything_and_steep_cost_takes_nothing():
