@@ -166,7 +166,9 @@ def run_pass(load, method: str, items: Sequence[PreparedItem], concurrency: int)
                  "forward_ms": 1e3 * forward_s / steps if steps else 0.0,
                  # the share of the pass's wall time spent inside steps: the rest is the batch waiting
                  # for its callers (a step handed between threads, requests arriving through the mesh)
-                 "busy_share": step_s / seconds if seconds else 0.0}
+                 "busy_share": step_s / seconds if seconds else 0.0,
+                 # per batch size, what the pass's trees cost against the warm-up table (the budget's correction)
+                 "tree_cost_factors": after.get("tree_cost_factors")}
     return PassResult(method, concurrency, seconds, tokens[0], latencies, first, outputs, batch)
 
 
@@ -282,6 +284,7 @@ def run_concurrency(target, items: Sequence[PreparedItem], levels: Sequence[int]
             "step_ms": _median(p.batch.get("step_ms") for p in passes),
             "forward_ms": _median(p.batch.get("forward_ms") for p in passes),
             "busy_share": _median(p.batch.get("busy_share") for p in passes),
+            "tree_cost_factors": passes[-1].batch.get("tree_cost_factors"),
             "identical_to_plain_serial": same, "outputs": total,
         })
     rows.sort(key=lambda r: (r["concurrency"], methods.index(r["method"])))

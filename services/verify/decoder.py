@@ -294,6 +294,7 @@ class SpeculativeDecoder:
             "mean_wait_s": st.wait_s_total / st.admitted if st.admitted else 0.0,
             "active_rows": kv.rows, "kv_bytes_allocated": kv.allocated_bytes, "kv_bytes_used": kv.used_bytes,
             "kv_budget_bytes": sched.limits.kv_budget_bytes,
+            "tree_cost_factors": {str(r): round(f, 3) for r, f in sched.tree_cost_factors().items()},
         }
 
     def sizes(self) -> dict[str, int]:

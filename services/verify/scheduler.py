@@ -38,7 +38,8 @@ from draftmesh.backend import ForwardInterrupted, KVState
 from draftmesh.batch_kv import SlotKVCache
 from draftmesh.io_struct import GenerationRequest, GenerationResult, StepEvent
 from draftmesh.verify.request_run import RequestRun, StepPlan
-from draftmesh.verify.tree_builder import BatchCost, CostModel, ScoredTree, StepOverhead, choose_nodes
+from draftmesh.verify.tree_builder import (BatchCost, CostModel, ScoredTree, StepOverhead, TreeCostCorrection,
+                                          choose_nodes)
 
 log = logging.getLogger(__name__)
 
@@ -112,6 +113,7 @@ class BatchScheduler:
         self.stats = SchedulerStats()
         self._cost: BatchCost | None = None
         self._overhead: StepOverhead | None = None
+        self._correction: TreeCostCorrection | None = None
 
     # ------------------------------------------------------------------ callers
     def submit(self, run: RequestRun) -> Ticket:
@@ -241,12 +243,15 @@ class BatchScheduler:
                 drafted.append(t)
             else:
                 base_tokens += len(run.plan.tree)
+        kept = 0
         if candidates:
-            keep = choose_nodes(candidates, self._batch_cost(), rows=len(stepping), base_tokens=base_tokens,
+            cost = self._tree_correction().cost(self._batch_cost(), len(stepping), base_tokens)
+            keep = choose_nodes(candidates, cost, rows=len(stepping), base_tokens=base_tokens,
                                 min_gain=decoder.builder.config.min_gain, max_tokens=limits.max_batch_tokens,
                                 overhead=self._step_overhead()(len(stepping)))
             for t, cand, k in zip(drafted, candidates, keep):
                 t.run.plan.tree = cand.select(k)
+            kept = sum(len(k) for k in keep)
         if not stepping:
             return False
         for t in stepping:
@@ -302,6 +307,7 @@ class BatchScheduler:
         step_s = time.perf_counter() - t_step
         st.step_s_total += step_s
         self._step_overhead().record(step_s, verify_s, len(inputs), steady=steady)
+        self._tree_correction().record(self._batch_cost(), len(inputs), tokens - kept, tokens, verify_s)
         if self.observer is not None:
             self.observer.batch(rows=len(inputs), tokens=tokens, queued=len(self._waiting),
                                 kv_bytes=self.kv.allocated_bytes, speculating=speculating)
@@ -415,6 +421,19 @@ class BatchScheduler:
             target = self.decoder.target
             self._overhead = StepOverhead(getattr(target, "batch_step_seconds", None) or getattr(target, "step_seconds", None))
         return self._overhead
+
+    def tree_cost_factors(self) -> dict[int, float]:
+        """Per batch size measured with trees: what their tree tokens cost against the warm-up table."""
+        c = self._correction
+        return {rows: c.factor(rows) for rows in sorted(c.trees)} if c is not None else {}
+
+    def _tree_correction(self) -> TreeCostCorrection:
+        """What the budget learns of its trees' real cost against the warm-up table, from the timed forwards."""
+        if self._correction is None or self._correction.unit_s is None:
+            target = self.decoder.target
+            self._correction = TreeCostCorrection(getattr(target, "batch_step_seconds", None)
+                                                  or getattr(target, "step_seconds", None))
+        return self._correction
 
     def _batch_cost(self) -> BatchCost:
         if self._cost is None:

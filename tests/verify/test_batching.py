@@ -363,6 +363,22 @@ def test_the_batch_budget_shrinks_trees_as_the_batch_grows():
     assert sc.select(keep).tokens == tree.tokens and 0 < len(tree) < 20
 
 
+def _three_scripted_requests(tiny, builder, seed: int):
+    """Three requests at once, drafted by a script that knows each one's greedy output: the decoder,
+    its results and the outputs wanted (plain batch-1 greedy)."""
+    rng = random.Random(seed)
+    script = PerRequestScript(tiny.vocab_size, seed=seed)
+    decoder = SpeculativeDecoder(tiny, [script], builder)
+    schedule, want = [], {}
+    for i in range(3):
+        prompt = random_prompt(rng, tiny.vocab_size)
+        want[i] = reference_greedy(tiny, prompt, 12)
+        script.truth[f"r{i}"] = want[i]
+        schedule.append((0, GenerationRequest(prompt, max_new_tokens=12, request_id=f"r{i}"), None))
+    results, _ = drive(decoder, schedule)
+    return decoder, results, want
+
+
 def test_the_batch_budget_is_given_the_steps_time_outside_the_forward(tiny, monkeypatch):
     """The scheduler measures what its steps spend outside the forward and hands it to the budget,
     in units of the target's one-token forward; outputs stay each request's own plain greedy."""
@@ -376,20 +392,41 @@ def test_the_batch_budget_is_given_the_steps_time_outside_the_forward(tiny, monk
         return choose_nodes(*args, **kwargs)
 
     monkeypatch.setattr(scheduler_module, "choose_nodes", recording)
-    rng = random.Random(8)
-    script = PerRequestScript(tiny.vocab_size, seed=8)
-    decoder = SpeculativeDecoder(tiny, [script], CostAwareTreeBuilder({1: 1.0, 64: 1.0}))
-    schedule, want = [], {}
-    for i in range(3):
-        prompt = random_prompt(rng, tiny.vocab_size)
-        want[i] = reference_greedy(tiny, prompt, 12)
-        script.truth[f"o{i}"] = want[i]
-        schedule.append((0, GenerationRequest(prompt, max_new_tokens=12, request_id=f"o{i}"), None))
-    results, _ = drive(decoder, schedule)
+    decoder, results, want = _three_scripted_requests(tiny, CostAwareTreeBuilder({1: 1.0, 64: 1.0}), seed=8)
     # the first step admits all three (left out of the average), so the budget weighs the forward
     # alone until a step has decoded without admitting; from then on it is given that step's time
     assert len(given) >= 3 and given[0] == given[1] == 0.0 and all(o > 0 for o in given[2:])
     assert {i: tuple(r.token_ids) for i, r in results.items()} == {i: tuple(w) for i, w in want.items()}
+
+
+def test_the_batch_budget_weighs_trees_at_their_measured_cost(tiny, monkeypatch):
+    """The scheduler times its forwards into the tree-cost correction and, once it has timed trees,
+    hands the budget the table with its tree part scaled by the learned factor (held at 3 here);
+    outputs stay each request's own plain greedy."""
+    import draftmesh.verify.scheduler as scheduler_module
+    from draftmesh.verify.tree_builder import TreeCostCorrection
+
+    monkeypatch.setattr(TreeCostCorrection, "factor", lambda self, rows: 3.0 if self.trees else 1.0)
+    monkeypatch.setattr(tiny, "batch_step_seconds", 1e-3)  # the unit forwards are timed in
+    given = []
+
+    def recording(candidates, cost, **kwargs):
+        given.append((cost, kwargs["rows"], kwargs["base_tokens"]))
+        return choose_nodes(candidates, cost, **kwargs)
+
+    monkeypatch.setattr(scheduler_module, "choose_nodes", recording)
+    decoder, results, want = _three_scripted_requests(tiny, CostAwareTreeBuilder({1: 1.0, 2: 1.2, 8: 1.6, 64: 4.0}),
+                                                      seed=9)
+    assert {i: tuple(r.token_ids) for i, r in results.items()} == {i: tuple(w) for i, w in want.items()}
+    assert decoder.batch_stats()["tree_cost_factors"] and set(decoder.batch_stats()["tree_cost_factors"].values()) == {3.0}
+    table = decoder._scheduler._batch_cost()
+    assert given[0][0] is table  # nothing timed yet: the warm-up table itself
+    corrected = [(cost, rows, base) for cost, rows, base in given if cost is not table]
+    assert corrected
+    for cost, rows, base in corrected:
+        plain = table(rows, base)
+        assert cost(rows, base) == pytest.approx(plain)
+        assert cost(rows, base + 3) == pytest.approx(plain + 3.0 * (table(rows, base + 3) - plain))
 
 
 def test_speculation_off_requests_share_the_batch_with_speculating_ones(tiny):

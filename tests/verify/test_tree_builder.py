@@ -17,6 +17,7 @@ from draftmesh.verify.tree_builder import (
     CostModel,
     ScoredTree,
     StepOverhead,
+    TreeCostCorrection,
     choose_nodes,
 )
 
@@ -114,6 +115,59 @@ def test_step_overhead_leaves_out_the_steps_that_admitted_a_request():
     assert overhead(4) == 0.0
     overhead.record(step_s=0.103, forward_s=0.1, rows=4)
     assert overhead(4) == pytest.approx(0.15)
+
+
+def _table(rows: int, tokens: int) -> float:
+    """A made-up warm-up table: 1 for a plain forward of 8 rows, 0.05 a token beyond it."""
+    return 1.0 + 0.05 * (tokens - rows)
+
+
+def test_tree_cost_correction_starts_at_the_table():
+    corr = TreeCostCorrection(unit_s=0.03)
+    assert corr.factor(8) == 1.0
+    assert corr.cost(_table, 8, 8) is _table  # nothing learned: the table itself
+    unknown = TreeCostCorrection(unit_s=None)  # no unit (cost not measured): nothing learned
+    unknown.record(_table, 8, 8, 20, 1.0)
+    assert unknown.factor(8) == 1.0
+
+
+def test_tree_cost_correction_learns_what_tree_tokens_really_cost():
+    """Forwards without trees as the table says; with trees, their tree part twice the table's."""
+    unit = 0.03
+    corr = TreeCostCorrection(unit_s=unit, prior=0.5)
+    for _ in range(200):
+        corr.record(_table, 8, 8, 8, unit * 1.0)
+        corr.record(_table, 8, 8, 20, unit * (1.0 + 2 * 0.05 * 12))
+    assert corr.scale(8) == pytest.approx(1.0)
+    assert corr.factor(8) == pytest.approx(2.0, rel=0.02)
+    cost = corr.cost(_table, 8, 8)
+    assert cost(8, 8) == pytest.approx(1.0)  # the plain part is left alone
+    assert cost(8, 20) == pytest.approx(1.0 + 2 * 0.6, rel=0.02)
+    assert corr.factor(6) == corr.factor(8)  # a batch size not seen with trees: the nearest one's
+
+
+def test_tree_cost_correction_does_not_blame_the_trees_for_a_loaded_box():
+    """Every forward 1.5x the table (another process took the CPU): the trees cost what the table says."""
+    unit = 0.03
+    corr = TreeCostCorrection(unit_s=unit, prior=0.5)
+    for _ in range(200):
+        corr.record(_table, 4, 4, 4, unit * 1.5)
+        corr.record(_table, 4, 4, 10, unit * 1.5 * (1.0 + 0.05 * 6))
+    assert corr.scale(4) == pytest.approx(1.5)
+    assert corr.factor(4) == pytest.approx(1.0, rel=0.02)
+
+
+def test_tree_cost_correction_is_bounded_and_a_dearer_tree_part_shrinks_the_budgets_trees():
+    unit = 0.03
+    corr = TreeCostCorrection(unit_s=unit, prior=0.5, bounds=(0.5, 4.0))
+    for _ in range(200):
+        corr.record(_table, 2, 2, 2, unit)
+        corr.record(_table, 2, 2, 6, unit * (1.0 + 10 * 0.05 * 4))  # ten times the table's tree part
+    assert corr.factor(2) == 4.0
+    # a node worth 0.3 of a token pays against the table at 2 rows, not against four times its price
+    cand = ScoredTree(TokenTree.from_sequences([DraftSequence((5,), "s")]), [0.3], [{"s": 1.0}], cap=8)
+    assert choose_nodes([cand, None], _table, rows=2, base_tokens=2, min_gain=1.02) == [[0], []]
+    assert choose_nodes([cand, None], corr.cost(_table, 2, 2), rows=2, base_tokens=2, min_gain=1.02) == [[], []]
 
 
 def test_flat_cost_takes_everything_and_steep_cost_takes_nothing():
