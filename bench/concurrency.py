@@ -314,11 +314,11 @@ def same_run_ratios(rows: Sequence[Mapping[str, Any]],
     """Per pair whose two methods ran in the report, per C: ``{"ratio", "runs"}``, the first method's
     tokens/s over the second's.
 
-    A repeat runs every method of a C back to back, so each repeat gives one paired ratio of passes
-    minutes apart, and the figure is the median of those: a box that drifts between repeats (a
-    shared 2-core box drifts by 10% and more) moves both passes of a pair, where a ratio of the
-    medians would set passes of different repeats against each other. Rows without per-repeat
-    figures give the ratio of their medians."""
+    A repeat runs every method of a C back to back, so each repeat gives one paired ratio of two
+    passes run one after the other, and the figure is the median of those: a box that drifts
+    between repeats (a shared 2-core box drifts by 10% and more) moves both passes of a pair, where
+    a ratio of the medians would set passes of different repeats against each other. Rows without
+    per-repeat figures give the ratio of their medians."""
     by_key = {(r["method"], r["concurrency"]): r for r in rows}
     out: dict[tuple[str, str], dict[int, dict[str, Any]]] = {}
     for a, b in pairs:
