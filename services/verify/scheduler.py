@@ -418,8 +418,7 @@ class BatchScheduler:
         """The steps' time outside the forward, in the budget's unit (a batch-1 one-token forward,
         known once the target's cost was measured), which the budget adds to every forward it weighs."""
         if self._overhead is None or self._overhead.unit_s is None:
-            target = self.decoder.target
-            self._overhead = StepOverhead(getattr(target, "batch_step_seconds", None) or getattr(target, "step_seconds", None))
+            self._overhead = StepOverhead(self._cost_unit())
         return self._overhead
 
     def tree_cost_factors(self) -> dict[int, float]:
@@ -430,10 +429,13 @@ class BatchScheduler:
     def _tree_correction(self) -> TreeCostCorrection:
         """What the budget learns of its trees' real cost against the warm-up table, from the timed forwards."""
         if self._correction is None or self._correction.unit_s is None:
-            target = self.decoder.target
-            self._correction = TreeCostCorrection(getattr(target, "batch_step_seconds", None)
-                                                  or getattr(target, "step_seconds", None))
+            self._correction = TreeCostCorrection(self._cost_unit())
         return self._correction
+
+    def _cost_unit(self) -> float | None:
+        """The budget's unit in seconds: the target's batch-1 one-token forward, None until measured."""
+        target = self.decoder.target
+        return getattr(target, "batch_step_seconds", None) or getattr(target, "step_seconds", None)
 
     def _batch_cost(self) -> BatchCost:
         if self._cost is None:

@@ -117,6 +117,13 @@ class ScoredTree:
         return out
 
 
+def _nearest(by_rows: Mapping[int, object], rows: int):
+    """The entry of the batch size nearest ``rows`` (the smaller on a tie); None when empty."""
+    if not by_rows:
+        return None
+    return by_rows[min(by_rows, key=lambda r: (abs(r - rows), r))]
+
+
 class StepOverhead:
     """What a batch step costs outside its forward (asking the sources, the budget, accepting,
     emitting), in units of a batch-1 one-token forward, averaged over recent steps of the same
@@ -152,16 +159,9 @@ class StepOverhead:
         below = max((r for r in self.by_rows if r < rows), default=None)
         above = min((r for r in self.by_rows if r > rows), default=None)
         if below is None or above is None:
-            return self.by_rows[above if below is None else below]
+            return _nearest(self.by_rows, rows)
         lo, hi = self.by_rows[below], self.by_rows[above]
         return lo + (rows - below) * (hi - lo) / (above - below)
-
-
-def _nearest(by_rows: Mapping[int, object], rows: int):
-    """The entry of the batch size nearest ``rows`` (the smaller on a tie); None when empty."""
-    if not by_rows:
-        return None
-    return by_rows[min(by_rows, key=lambda r: (abs(r - rows), r))]
 
 
 class TreeCostCorrection:
