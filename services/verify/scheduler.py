@@ -37,9 +37,8 @@ from draftmesh import compute
 from draftmesh.backend import ForwardInterrupted, KVState
 from draftmesh.batch_kv import SlotKVCache
 from draftmesh.io_struct import GenerationRequest, GenerationResult, StepEvent
+from draftmesh.verify.budget import BatchCost, CostModel, ScoredTree, StepOverhead, TreeCostCorrection, choose_nodes
 from draftmesh.verify.request_run import RequestRun, StepPlan
-from draftmesh.verify.tree_builder import (BatchCost, CostModel, ScoredTree, StepOverhead, TreeCostCorrection,
-                                          choose_nodes)
 
 log = logging.getLogger(__name__)
 

@@ -22,7 +22,8 @@ from draftmesh.sampling import target_probs
 from draftmesh.tree import DraftSequence, TokenTree
 from draftmesh.verify.decoder import SpeculativeDecoder
 from draftmesh.verify.scheduler import BatchLimits, Busy
-from draftmesh.verify.tree_builder import BatchCost, CostAwareTreeBuilder, CostModel, ScoredTree, TrieBuilder, choose_nodes
+from draftmesh.verify.budget import BatchCost, CostModel, ScoredTree, choose_nodes
+from draftmesh.verify.tree_builder import CostAwareTreeBuilder, TrieBuilder
 
 
 class PerRequestScript:
@@ -404,7 +405,7 @@ def test_the_batch_budget_weighs_trees_at_their_measured_cost(tiny, monkeypatch)
     hands the budget the table with its tree part scaled by the learned factor (held at 3 here);
     outputs stay each request's own plain greedy."""
     import draftmesh.verify.scheduler as scheduler_module
-    from draftmesh.verify.tree_builder import TreeCostCorrection
+    from draftmesh.verify.budget import TreeCostCorrection
 
     monkeypatch.setattr(TreeCostCorrection, "factor", lambda self, rows: 3.0 if self.trees else 1.0)
     monkeypatch.setattr(tiny, "batch_step_seconds", 1e-3)  # the unit forwards are timed in

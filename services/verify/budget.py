@@ -1,0 +1,254 @@
+"""The batch's budget: what a step's forward costs, and which draft nodes it verifies.
+
+``CostModel`` is the single-request cost curve, ``BatchCost`` the batched forward's table
+(rows x tokens, measured at load), ``choose_nodes`` the rule that picks the nodes of every
+request of a step against them. The rest is what the scheduler learns while it runs, because
+the table is measured once, over uniform chains, on a box whose load moves: the step's time
+outside the forward (``StepOverhead``), what trees really cost beyond the table
+(``TreeCostCorrection``) and what the batch's time is worth (``BatchRate``). The tree builder
+scores the nodes; this module only weighs them.
+"""
+
+from __future__ import annotations
+
+import bisect
+from dataclasses import dataclass
+from typing import Callable, Mapping, Sequence
+
+from draftmesh.tree import TokenTree
+
+
+class CostModel:
+    """Verify time of a forward over k tokens relative to one token, interpolated."""
+
+    def __init__(self, curve: Mapping[int, float]) -> None:
+        if not curve or 1 not in curve:
+            raise ValueError("a cost curve needs at least the k = 1 point")
+        self.ks = sorted(curve)
+        self.costs = [float(curve[k]) for k in self.ks]
+
+    def __call__(self, k: int) -> float:
+        i = bisect.bisect_left(self.ks, k)
+        if i < len(self.ks) and self.ks[i] == k:
+            return self.costs[i]
+        if i == 0:
+            return self.costs[0]
+        if i == len(self.ks):  # extrapolate with the last slope
+            k0, k1 = self.ks[-2:] if len(self.ks) > 1 else (self.ks[-1], self.ks[-1] + 1)
+            c0, c1 = self.costs[-2:] if len(self.costs) > 1 else (self.costs[-1], self.costs[-1])
+            return c1 + (k - k1) * (c1 - c0) / (k1 - k0)
+        k0, k1, c0, c1 = self.ks[i - 1], self.ks[i], self.costs[i - 1], self.costs[i]
+        return c0 + (k - k0) * (c1 - c0) / (k1 - k0)
+
+
+class BatchCost:
+    """Time of one batched forward relative to a batch-1 one-token step, by rows and total tokens.
+
+    Rows 1 is the single-request cost curve; other row counts come from the batched warm-up
+    (``TorchTarget.measure_batch_cost``), interpolated over tokens within a row count and
+    linearly between the measured row counts (beyond the largest, scaled by rows)."""
+
+    def __init__(self, single: CostModel, batched: Mapping[int, Mapping[int, float]] | None = None) -> None:
+        self.models: dict[int, CostModel] = {1: single}
+        for rows, curve in (batched or {}).items():
+            if rows > 1 and curve:
+                # a batch of r rows holds at least r tokens: extend down to k = 1 for the interpolation
+                self.models[rows] = CostModel({1: min(curve.values()), **curve})
+        self.rows = sorted(self.models)
+
+    def __call__(self, rows: int, tokens: int) -> float:
+        rows = max(1, rows)
+        tokens = max(tokens, rows)
+        i = bisect.bisect_left(self.rows, rows)
+        if i < len(self.rows) and self.rows[i] == rows:
+            return self.models[rows](tokens)
+        if i == len(self.rows):
+            top = self.rows[-1]
+            return self.models[top](max(1, round(tokens * top / rows))) * rows / top
+        r0, r1 = self.rows[i - 1], self.rows[i]
+        c0, c1 = self.models[r0](tokens), self.models[r1](tokens)
+        return c0 + (rows - r0) * (c1 - c0) / (r1 - r0)
+
+
+@dataclass
+class ScoredTree:
+    """One request's candidate nodes for a step and each one's estimated acceptance."""
+
+    tree: TokenTree
+    scores: list[float]
+    """Each node's calibrated estimate: what the budget weighs."""
+    confidences: list[dict[str, float]]
+    cap: int
+    """The request's own node cap (``max_nodes``): the batch budget never gives it more."""
+    raw_scores: list[float] | None = None
+    """The estimates before calibration (what the calibration itself is measured against)."""
+
+    def select(self, keep: Sequence[int]) -> TokenTree:
+        if not keep:
+            return TokenTree()
+        # Selecting nodes by score looks at sampled tokens' values: keep only deterministic draws.
+        out = self.tree.subtree(keep).strip_q()
+        out.source_scores = [self.confidences[i] for i in sorted(keep)]
+        out.expected_accepted = sum((self.raw_scores or self.scores)[i] for i in keep)
+        return out
+
+
+def _nearest(by_rows: Mapping[int, object], rows: int):
+    """The entry of the batch size nearest ``rows`` (the smaller on a tie); None when empty."""
+    if not by_rows:
+        return None
+    return by_rows[min(by_rows, key=lambda r: (abs(r - rows), r))]
+
+
+class StepOverhead:
+    """What a batch step costs outside its forward (asking the sources, the budget, accepting,
+    emitting), in units of a batch-1 one-token forward, averaged over recent steps of the same
+    batch size (rows).
+
+    A step pays it whatever its trees hold, so the budget adds it to every forward it weighs: a
+    tree's extra tokens are measured against the whole step, not the forward alone. It grows with
+    the rows, but far from in proportion: measured on a 2-core box (C=8 over the 30 public items),
+    3-5 ms a step at 1 row and 5-10 ms at 8. So it is kept per batch size, not per row: a per-row
+    average scaled by the rows read 0.6-1.2 forwards at 8 rows after a few 1-row steps, where 8-row
+    steps spent 0.15-0.35, and the budget, seeing every step that dear, bought trees that did not
+    pay. A step that admitted a request is left out (``steady=False``): it also grew the KV slab
+    and started traces, once per request, which is not what the next step's tree changes. A batch
+    size not measured yet reads its neighbours' (interpolated between two; the nearest beyond)."""
+
+    def __init__(self, unit_s: float | None, halflife: float = 32.0) -> None:
+        self.unit_s = unit_s if unit_s and unit_s > 0 else None
+        self.alpha = 1 - 0.5 ** (1 / halflife)
+        self.by_rows: dict[int, float] = {}
+
+    def record(self, step_s: float, forward_s: float, rows: int, *, steady: bool = True) -> None:
+        if self.unit_s is None or rows < 1 or not steady:
+            return
+        sample = max(0.0, step_s - forward_s) / self.unit_s
+        prev = self.by_rows.get(rows)
+        self.by_rows[rows] = sample if prev is None else prev + self.alpha * (sample - prev)
+
+    def __call__(self, rows: int) -> float:
+        if not self.by_rows:
+            return 0.0
+        if rows in self.by_rows:
+            return self.by_rows[rows]
+        below = max((r for r in self.by_rows if r < rows), default=None)
+        above = min((r for r in self.by_rows if r > rows), default=None)
+        if below is None or above is None:
+            return _nearest(self.by_rows, rows)
+        lo, hi = self.by_rows[below], self.by_rows[above]
+        return lo + (rows - below) * (hi - lo) / (above - below)
+
+
+class TreeCostCorrection:
+    """How much dearer (or cheaper) a step's tree tokens are than the warm-up table says, learned
+    from the forwards the scheduler times.
+
+    The table (``BatchCost``) is measured once, at load, over uniform chains (r rows of k tokens
+    each, a few rounds), and the budget reads it for one thing: what a step's trees add to a
+    forward that holds its roots and prefill chunks anyway. Where the real trees cost more (one
+    row's bushy tree beside one-token rows, other contexts, a noisy point of the table), every tree
+    the budget buys is too big. Measured on a 2-core box at C=8 over the 30 public items (a scratch
+    per-step log), forwards with trees took 57.9 ms where the table said 51.3, and forwards of the
+    same rows without trees 43.0 against 45.4: their tree tokens cost ~1.7x what the table said,
+    and steps the budget expected to make 1.3x a plain step's tokens per unit of time made ~1.0x.
+
+    Per batch size, decayed sums: a forward without trees adds (measured, table) to the plain
+    scale (the box's load moves every forward); a forward with trees adds (measured − scale ×
+    table's plain part, scale × table's tree part). The factor is their ratio, started at 1 by
+    ``prior`` units on both sides and kept within ``bounds``; the budget multiplies each step's
+    tree part of the table by it (``cost``)."""
+
+    def __init__(self, unit_s: float | None, halflife: float = 64.0, prior: float = 2.0,
+                 bounds: tuple[float, float] = (0.5, 4.0)) -> None:
+        self.unit_s = unit_s if unit_s and unit_s > 0 else None
+        self.decay = 0.5 ** (1 / halflife)
+        self.prior = prior
+        self.bounds = bounds
+        self.plain: dict[int, list[float]] = {}
+        """rows -> [measured, table] of forwards without trees."""
+        self.trees: dict[int, list[float]] = {}
+        """rows -> [measured beyond the plain part, the table's tree part] of forwards with trees."""
+
+    def _add(self, sums: dict[int, list[float]], rows: int, measured: float, table: float) -> None:
+        entry = sums.setdefault(rows, [0.0, 0.0])
+        entry[0] = entry[0] * self.decay + measured
+        entry[1] = entry[1] * self.decay + table
+
+    def scale(self, rows: int) -> float:
+        """Measured over table for forwards without trees (1 until one was measured)."""
+        entry = _nearest(self.plain, rows)
+        return entry[0] / entry[1] if entry and entry[1] > 0 else 1.0
+
+    def record(self, cost, rows: int, base_tokens: int, tokens: int, forward_s: float) -> None:
+        if self.unit_s is None or rows < 1:
+            return
+        measured = forward_s / self.unit_s
+        plain = cost(rows, base_tokens)
+        if tokens <= base_tokens:
+            self._add(self.plain, rows, measured, plain)
+            return
+        extra = cost(rows, tokens) - plain
+        if extra <= 0:
+            return
+        scale = self.scale(rows)
+        self._add(self.trees, rows, measured - scale * plain, scale * extra)
+
+    def factor(self, rows: int) -> float:
+        entry = _nearest(self.trees, rows)
+        if entry is None:
+            return 1.0
+        lo, hi = self.bounds
+        return min(hi, max(lo, (entry[0] + self.prior) / (entry[1] + self.prior)))
+
+    def cost(self, cost, rows: int, base_tokens: int):
+        """``cost`` for this step's budget, its tree part scaled by ``factor(rows)``."""
+        f = self.factor(rows)
+        if f == 1.0:
+            return cost
+        plain = cost(rows, base_tokens)
+
+        def corrected(r: int, tokens: int) -> float:
+            full = cost(r, tokens)
+            return full if r != rows or tokens <= base_tokens else plain + f * (full - plain)
+
+        return corrected
+
+
+def choose_nodes(
+    candidates: Sequence[ScoredTree | None], cost: Callable[[int, int], float], *, rows: int, base_tokens: int, min_gain: float,
+    max_tokens: int | None = None, overhead: float = 0.0,
+) -> list[list[int]]:
+    """The nodes to verify, per candidate, for the whole batch's forward.
+
+    Nodes of every request compete by score (a child never scores above its parent, so any
+    prefix of the order is ancestor-closed); the prefix kept maximizes expected committed
+    tokens of the batch per unit of step time: ``(rows + sum of kept scores) / (cost(rows,
+    base_tokens + kept) + overhead)``, where ``base_tokens`` is what the step holds anyway
+    (every request's root, prefill chunks, fixed trees) and ``overhead`` the step's time outside
+    the forward (``StepOverhead``). Nothing is kept unless that beats a plain step by
+    ``min_gain``. At batch 1 this is the single-request builder's rule; as the batch grows each
+    node must pay for a larger forward, so trees shrink, then vanish.
+    """
+    pool = []
+    for c, cand in enumerate(candidates):
+        if cand is None:
+            continue
+        order = sorted(range(len(cand.scores)), key=lambda i: (-cand.scores[i], i))[: cand.cap]
+        pool.extend((cand.scores[i], c, i) for i in order)
+    pool.sort(key=lambda x: (-x[0], x[1], x[2]))
+    if max_tokens is not None:
+        pool = pool[: max(0, max_tokens - base_tokens)]
+    plain = rows / (cost(rows, base_tokens) + overhead)
+    best_k, best_rate, expected = 0, plain, float(rows)
+    for k, (score, _, _) in enumerate(pool, start=1):
+        expected += score
+        rate = expected / (cost(rows, base_tokens + k) + overhead)
+        if rate > best_rate:
+            best_k, best_rate = k, rate
+    keep: list[list[int]] = [[] for _ in candidates]
+    if best_rate < min_gain * plain:
+        return keep
+    for _, c, i in pool[:best_k]:
+        keep[c].append(i)
+    return keep

@@ -1,0 +1,151 @@
+"""The batch's budget: the cost curves, the node choice, and what the scheduler learns of its steps."""
+
+from __future__ import annotations
+
+import random
+
+import pytest
+
+from draftmesh.tree import DraftSequence, TokenTree
+from draftmesh.verify.budget import BatchCost, CostModel, ScoredTree, StepOverhead, TreeCostCorrection, choose_nodes
+from draftmesh.verify.tree_builder import CostAwareTreeBuilder
+
+CURVE = {1: 1.0, 2: 1.1, 4: 1.4, 8: 1.8, 16: 2.1, 32: 2.6, 64: 3.7}
+
+
+def test_cost_model_interpolates_and_extrapolates():
+    cost = CostModel(CURVE)
+    assert cost(1) == 1.0 and cost(16) == 2.1
+    assert cost(3) == pytest.approx(1.25)
+    assert cost(128) == pytest.approx(3.7 + 64 * (3.7 - 2.6) / 32)
+    with pytest.raises(ValueError):
+        CostModel({2: 1.0})
+
+
+def test_budget_maximizes_expected_tokens_per_unit_of_verify_time():
+    """Brute force over prefixes of the score order must agree with the builder's choice."""
+    rng = random.Random(0)
+    builder = CostAwareTreeBuilder(CURVE)
+    for _ in range(50):
+        scores = sorted((rng.random() for _ in range(rng.randint(1, 40))), reverse=True)
+        chain = TokenTree.from_sequences([DraftSequence(tuple(range(len(scores))), "s")])
+        chosen = choose_nodes([ScoredTree(chain, list(scores), [{} for _ in scores], 64)], BatchCost(CostModel(CURVE)),
+                              rows=1, base_tokens=1, min_gain=builder.config.min_gain)[0]
+        cost = CostModel(CURVE)
+        rates = [(1 + sum(scores[:k])) / cost(k + 1) for k in range(len(scores) + 1)]
+        best = max(range(len(rates)), key=lambda k: (rates[k], -k))
+        want = best if rates[best] >= builder.config.min_gain else 0
+        assert len(chosen) == want
+
+
+def test_the_budget_weighs_the_steps_time_outside_the_forward():
+    """With an overhead o (time a step spends outside its forward), the kept prefix maximizes
+    (1 + kept scores) / (cost + o): brute force agrees, and a fixed cost makes trees pay sooner."""
+    rng = random.Random(2)
+    cost = CostModel(CURVE)
+    for _ in range(50):
+        overhead = rng.choice([0.0, 0.05, 0.3, 1.0])
+        scores = sorted((rng.random() for _ in range(rng.randint(1, 40))), reverse=True)
+        chain = TokenTree.from_sequences([DraftSequence(tuple(range(len(scores))), "s")])
+        chosen = choose_nodes([ScoredTree(chain, list(scores), [{} for _ in scores], 64)], BatchCost(cost),
+                              rows=1, base_tokens=1, min_gain=1.02, overhead=overhead)[0]
+        rates = [(1 + sum(scores[:k])) / (cost(k + 1) + overhead) for k in range(len(scores) + 1)]
+        best = max(range(len(rates)), key=lambda k: (rates[k], -k))
+        assert len(chosen) == (best if rates[best] >= 1.02 * rates[0] else 0)
+    # one node at 0.12: 1.12 / 1.1 misses the 2% gain over a plain step; with a step twice its forward it pays
+    one = ScoredTree(TokenTree.from_sequences([DraftSequence((7,), "s")]), [0.12], [{}], 64)
+    assert choose_nodes([one], BatchCost(cost), rows=1, base_tokens=1, min_gain=1.02) == [[]]
+    assert choose_nodes([one], BatchCost(cost), rows=1, base_tokens=1, min_gain=1.02, overhead=1.0) == [[0]]
+
+
+def test_step_overhead_is_the_recent_time_outside_the_forward_per_batch_size_in_forward_units():
+    overhead = StepOverhead(unit_s=0.02, halflife=1.0)
+    assert overhead(4) == 0.0  # nothing measured yet
+    overhead.record(step_s=0.05, forward_s=0.04, rows=2)  # 10 ms outside: 0.5 of a 20 ms forward
+    assert overhead(2) == pytest.approx(0.5)
+    assert overhead(1) == overhead(4) == pytest.approx(0.5)  # the nearest batch size measured
+    overhead.record(step_s=0.03, forward_s=0.03, rows=2)  # halflife 1: halfway to 0
+    assert overhead(2) == pytest.approx(0.25)
+    overhead.record(step_s=0.01, forward_s=0.02, rows=2)  # a clock that ran backwards counts as 0
+    assert overhead(2) == pytest.approx(0.125)
+    overhead.record(step_s=0.06, forward_s=0.04, rows=6)  # 1.0 at 6 rows
+    assert overhead(4) == pytest.approx(0.5625)  # between two measured sizes: interpolated
+    assert overhead(8) == pytest.approx(1.0)
+    unknown = StepOverhead(unit_s=None)  # the target's cost not measured: the budget weighs the forward alone
+    unknown.record(step_s=1.0, forward_s=0.0, rows=1)
+    assert unknown(8) == 0.0
+
+
+def test_step_overhead_of_a_big_batch_is_what_its_steps_spent_not_rows_times_a_small_ones():
+    """Measured on a 2-core box: ~4 ms outside the forward at 1 row, ~6 ms at 8. After a pass's first
+    1-row steps, an 8-row step's overhead must read ~6 ms (0.19 of a 32 ms forward), not 8 x 4 ms:
+    that overstated every step's price and made the budget buy trees that did not pay."""
+    unit = 0.032
+    overhead = StepOverhead(unit_s=unit)
+    for _ in range(3):
+        overhead.record(step_s=unit + 0.004, forward_s=unit, rows=1)
+    for _ in range(40):
+        overhead.record(step_s=0.05 + 0.006, forward_s=0.05, rows=8)
+    assert overhead(1) == pytest.approx(0.004 / unit)
+    assert overhead(8) == pytest.approx(0.006 / unit)
+
+
+def test_step_overhead_leaves_out_the_steps_that_admitted_a_request():
+    overhead = StepOverhead(unit_s=0.02)
+    overhead.record(step_s=0.5, forward_s=0.1, rows=4, steady=False)  # a slab grown, traces started
+    assert overhead(4) == 0.0
+    overhead.record(step_s=0.103, forward_s=0.1, rows=4)
+    assert overhead(4) == pytest.approx(0.15)
+
+
+def _table(rows: int, tokens: int) -> float:
+    """A made-up warm-up table: 1 for a plain forward of 8 rows, 0.05 a token beyond it."""
+    return 1.0 + 0.05 * (tokens - rows)
+
+
+def test_tree_cost_correction_starts_at_the_table():
+    corr = TreeCostCorrection(unit_s=0.03)
+    assert corr.factor(8) == 1.0
+    assert corr.cost(_table, 8, 8) is _table  # nothing learned: the table itself
+    unknown = TreeCostCorrection(unit_s=None)  # no unit (cost not measured): nothing learned
+    unknown.record(_table, 8, 8, 20, 1.0)
+    assert unknown.factor(8) == 1.0
+
+
+def test_tree_cost_correction_learns_what_tree_tokens_really_cost():
+    """Forwards without trees as the table says; with trees, their tree part twice the table's."""
+    unit = 0.03
+    corr = TreeCostCorrection(unit_s=unit, prior=0.5)
+    for _ in range(200):
+        corr.record(_table, 8, 8, 8, unit * 1.0)
+        corr.record(_table, 8, 8, 20, unit * (1.0 + 2 * 0.05 * 12))
+    assert corr.scale(8) == pytest.approx(1.0)
+    assert corr.factor(8) == pytest.approx(2.0, rel=0.02)
+    cost = corr.cost(_table, 8, 8)
+    assert cost(8, 8) == pytest.approx(1.0)  # the plain part is left alone
+    assert cost(8, 20) == pytest.approx(1.0 + 2 * 0.6, rel=0.02)
+    assert corr.factor(6) == corr.factor(8)  # a batch size not seen with trees: the nearest one's
+
+
+def test_tree_cost_correction_does_not_blame_the_trees_for_a_loaded_box():
+    """Every forward 1.5x the table (another process took the CPU): the trees cost what the table says."""
+    unit = 0.03
+    corr = TreeCostCorrection(unit_s=unit, prior=0.5)
+    for _ in range(200):
+        corr.record(_table, 4, 4, 4, unit * 1.5)
+        corr.record(_table, 4, 4, 10, unit * 1.5 * (1.0 + 0.05 * 6))
+    assert corr.scale(4) == pytest.approx(1.5)
+    assert corr.factor(4) == pytest.approx(1.0, rel=0.02)
+
+
+def test_tree_cost_correction_is_bounded_and_a_dearer_tree_part_shrinks_the_budgets_trees():
+    unit = 0.03
+    corr = TreeCostCorrection(unit_s=unit, prior=0.5, bounds=(0.5, 4.0))
+    for _ in range(200):
+        corr.record(_table, 2, 2, 2, unit)
+        corr.record(_table, 2, 2, 6, unit * (1.0 + 10 * 0.05 * 4))  # ten times the table's tree part
+    assert corr.factor(2) == 4.0
+    # a node worth 0.3 of a token pays against the table at 2 rows, not against four times its price
+    cand = ScoredTree(TokenTree.from_sequences([DraftSequence((5,), "s")]), [0.3], [{"s": 1.0}], cap=8)
+    assert choose_nodes([cand, None], _table, rows=2, base_tokens=2, min_gain=1.02) == [[0], []]
+    assert choose_nodes([cand, None], corr.cost(_table, 2, 2), rows=2, base_tokens=2, min_gain=1.02) == [[], []]
