@@ -157,7 +157,7 @@ class TreeCostCorrection:
     scale (the box's load moves every forward); a forward with trees adds (measured − scale ×
     table's plain part, scale × table's tree part). The factor is their ratio, started at 1 by
     ``prior`` units on both sides and kept within ``bounds``; the budget multiplies each step's
-    tree part of the table by it (``cost``)."""
+    tree part of the table by it (``choose_nodes``' ``tree_factor``)."""
 
     def __init__(self, unit_s: float | None, halflife: float = 64.0, prior: float = 2.0,
                  bounds: tuple[float, float] = (0.5, 4.0)) -> None:
@@ -201,34 +201,36 @@ class TreeCostCorrection:
         lo, hi = self.bounds
         return min(hi, max(lo, (entry[0] + self.prior) / (entry[1] + self.prior)))
 
-    def cost(self, cost, rows: int, base_tokens: int):
-        """``cost`` for this step's budget, its tree part scaled by ``factor(rows)``."""
-        f = self.factor(rows)
-        if f == 1.0:
-            return cost
-        plain = cost(rows, base_tokens)
-
-        def corrected(r: int, tokens: int) -> float:
-            full = cost(r, tokens)
-            return full if r != rows or tokens <= base_tokens else plain + f * (full - plain)
-
-        return corrected
-
 
 def choose_nodes(
     candidates: Sequence[ScoredTree | None], cost: Callable[[int, int], float], *, rows: int, base_tokens: int, min_gain: float,
-    max_tokens: int | None = None, overhead: float = 0.0,
+    max_tokens: int | None = None, overhead: float = 0.0, tree_factor: float = 1.0, prefill_tokens: int = 0,
+    decoding_rows: int | None = None,
 ) -> list[list[int]]:
     """The nodes to verify, per candidate, for the whole batch's forward.
 
     Nodes of every request compete by score (a child never scores above its parent, so any
-    prefix of the order is ancestor-closed); the prefix kept maximizes expected committed
-    tokens of the batch per unit of step time: ``(rows + sum of kept scores) / (cost(rows,
-    base_tokens + kept) + overhead)``, where ``base_tokens`` is what the step holds anyway
-    (every request's root, prefill chunks, fixed trees) and ``overhead`` the step's time outside
-    the forward (``StepOverhead``). Nothing is kept unless that beats a plain step by
-    ``min_gain``. At batch 1 this is the single-request builder's rule; as the batch grows each
-    node must pay for a larger forward, so trees shrink, then vanish.
+    prefix of the order is ancestor-closed). ``base_tokens`` is what the forward holds anyway
+    (every request's root, prefill chunks, fixed trees), ``overhead`` the step's time outside the
+    forward (``StepOverhead``), and ``tree_factor`` scales what the trees add to the table
+    (``TreeCostCorrection``).
+
+    The kept prefix maximizes expected committed tokens of the batch per unit of step time,
+    ``(decoding rows + sum of kept scores) / (cost(rows, base_tokens + kept) + overhead)``, and
+    nothing is kept unless that beats a plain step by ``min_gain``. At batch 1 this is the
+    single-request builder's rule; as the batch grows each node must pay for a larger forward,
+    so trees shrink, then vanish.
+
+    A step that also prefills (``prefill_tokens`` of its ``base_tokens`` are prompt chunks, of
+    rows that decode nothing this step or before their first token) is weighed without them:
+    its own rate is low because of a prompt it computes whatever its trees hold, and against that
+    rate nearly any node looked worth its time (measured at C=8 over the 30 public items: such
+    steps kept 17 nodes where the others kept 7). The price of its tree tokens is the rate the
+    batch's decoding makes, the best rate of the same step without its chunks (the ratio rule
+    above over the decoding rows alone), and the kept prefix maximizes ``sum of kept scores -
+    price * what they add to the real forward``: a node is kept when it is worth its tokens' time
+    at the rate the batch decodes at (a Dinkelbach step for the batch's tokens per unit of time,
+    the prefill being the same work whatever the trees). Without prefill both rules are the same.
     """
     pool = []
     for c, cand in enumerate(candidates):
@@ -239,16 +241,33 @@ def choose_nodes(
     pool.sort(key=lambda x: (-x[0], x[1], x[2]))
     if max_tokens is not None:
         pool = pool[: max(0, max_tokens - base_tokens)]
-    plain = rows / (cost(rows, base_tokens) + overhead)
-    best_k, best_rate, expected = 0, plain, float(rows)
+    keep: list[list[int]] = [[] for _ in candidates]
+
+    def forward(r: int, base: int, k: int) -> float:
+        plain = cost(r, base)
+        return plain if k == 0 else plain + tree_factor * (cost(r, base + k) - plain)
+
+    # the ratio rule, over the decoding rows and what the step holds besides its prefill chunks
+    d_rows = rows if decoding_rows is None else decoding_rows
+    d_base = base_tokens - prefill_tokens
+    if d_rows < 1 or d_base < d_rows:
+        return keep
+    plain = d_rows / (forward(d_rows, d_base, 0) + overhead)
+    best_k, best_rate, expected = 0, plain, float(d_rows)
     for k, (score, _, _) in enumerate(pool, start=1):
         expected += score
-        rate = expected / (cost(rows, base_tokens + k) + overhead)
+        rate = expected / (forward(d_rows, d_base, k) + overhead)
         if rate > best_rate:
             best_k, best_rate = k, rate
-    keep: list[list[int]] = [[] for _ in candidates]
     if best_rate < min_gain * plain:
         return keep
+    if prefill_tokens > 0:  # the real forward's nodes, priced at the rate the batch decodes at
+        best_k, best_net, value = 0, 0.0, 0.0
+        for k, (score, _, _) in enumerate(pool, start=1):
+            value += score
+            net = value - best_rate * (forward(rows, base_tokens, k) - forward(rows, base_tokens, 0))
+            if net > best_net:
+                best_k, best_net = k, net
     for _, c, i in pool[:best_k]:
         keep[c].append(i)
     return keep

@@ -244,10 +244,12 @@ class BatchScheduler:
                 base_tokens += len(run.plan.tree)
         kept = 0
         if candidates:
-            cost = self._tree_correction().cost(self._batch_cost(), len(stepping), base_tokens)
-            keep = choose_nodes(candidates, cost, rows=len(stepping), base_tokens=base_tokens,
+            keep = choose_nodes(candidates, self._batch_cost(), rows=len(stepping), base_tokens=base_tokens,
                                 min_gain=decoder.builder.config.min_gain, max_tokens=limits.max_batch_tokens,
-                                overhead=self._step_overhead()(len(stepping)))
+                                overhead=self._step_overhead()(len(stepping)),
+                                tree_factor=self._tree_correction().factor(len(stepping)),
+                                prefill_tokens=sum(len(t.run.plan.chunk) for t in stepping),
+                                decoding_rows=sum(1 for t in stepping if t.run.plan.decode))
             for t, cand, k in zip(drafted, candidates, keep):
                 t.run.plan.tree = cand.select(k)
             kept = sum(len(k) for k in keep)

@@ -402,8 +402,8 @@ def test_the_batch_budget_is_given_the_steps_time_outside_the_forward(tiny, monk
 
 def test_the_batch_budget_weighs_trees_at_their_measured_cost(tiny, monkeypatch):
     """The scheduler times its forwards into the tree-cost correction and, once it has timed trees,
-    hands the budget the table with its tree part scaled by the learned factor (held at 3 here);
-    outputs stay each request's own plain greedy."""
+    hands the budget the learned factor for the table's tree part (held at 3 here); outputs stay
+    each request's own plain greedy."""
     import draftmesh.verify.scheduler as scheduler_module
     from draftmesh.verify.budget import TreeCostCorrection
 
@@ -412,7 +412,7 @@ def test_the_batch_budget_weighs_trees_at_their_measured_cost(tiny, monkeypatch)
     given = []
 
     def recording(candidates, cost, **kwargs):
-        given.append((cost, kwargs["rows"], kwargs["base_tokens"]))
+        given.append(kwargs)
         return choose_nodes(candidates, cost, **kwargs)
 
     monkeypatch.setattr(scheduler_module, "choose_nodes", recording)
@@ -420,14 +420,32 @@ def test_the_batch_budget_weighs_trees_at_their_measured_cost(tiny, monkeypatch)
                                                       seed=9)
     assert {i: tuple(r.token_ids) for i, r in results.items()} == {i: tuple(w) for i, w in want.items()}
     assert decoder.batch_stats()["tree_cost_factors"] and set(decoder.batch_stats()["tree_cost_factors"].values()) == {3.0}
-    table = decoder._scheduler._batch_cost()
-    assert given[0][0] is table  # nothing timed yet: the warm-up table itself
-    corrected = [(cost, rows, base) for cost, rows, base in given if cost is not table]
-    assert corrected
-    for cost, rows, base in corrected:
-        plain = table(rows, base)
-        assert cost(rows, base) == pytest.approx(plain)
-        assert cost(rows, base + 3) == pytest.approx(plain + 3.0 * (table(rows, base + 3) - plain))
+    factors = [kw["tree_factor"] for kw in given]
+    assert factors[0] == 1.0 and 3.0 in factors  # nothing timed yet: the warm-up table itself; then the factor
+    assert factors == sorted(factors)
+
+
+def test_the_batch_budget_is_told_which_of_the_steps_tokens_are_prompt_chunks(tiny, monkeypatch):
+    """The first step prefills the three prompts at once with their first roots and trees: the budget
+    is given those chunks' tokens apart, and the decoding rows; later steps hold no chunk."""
+    import draftmesh.verify.scheduler as scheduler_module
+
+    given = []
+
+    def recording(candidates, cost, **kwargs):
+        given.append(kwargs)
+        return choose_nodes(candidates, cost, **kwargs)
+
+    monkeypatch.setattr(scheduler_module, "choose_nodes", recording)
+    decoder, results, want = _three_scripted_requests(tiny, CostAwareTreeBuilder({1: 1.0, 64: 1.0}), seed=10)
+    assert {i: tuple(r.token_ids) for i, r in results.items()} == {i: tuple(w) for i, w in want.items()}
+    rng = random.Random(10)  # the helper's prompts, drawn again
+    prompts = sum(len(random_prompt(rng, tiny.vocab_size)) for _ in range(3))
+    first = given[0]
+    assert first["decoding_rows"] == first["rows"] == 3
+    # every prompt but its last token, which goes in as the row's root
+    assert first["prefill_tokens"] == prompts - 3 and first["base_tokens"] == prompts
+    assert all(kw["prefill_tokens"] == 0 and kw["decoding_rows"] == kw["rows"] for kw in given[1:])
 
 
 def test_speculation_off_requests_share_the_batch_with_speculating_ones(tiny):

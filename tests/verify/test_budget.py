@@ -105,8 +105,7 @@ def _table(rows: int, tokens: int) -> float:
 
 def test_tree_cost_correction_starts_at_the_table():
     corr = TreeCostCorrection(unit_s=0.03)
-    assert corr.factor(8) == 1.0
-    assert corr.cost(_table, 8, 8) is _table  # nothing learned: the table itself
+    assert corr.factor(8) == 1.0  # nothing learned: the table itself
     unknown = TreeCostCorrection(unit_s=None)  # no unit (cost not measured): nothing learned
     unknown.record(_table, 8, 8, 20, 1.0)
     assert unknown.factor(8) == 1.0
@@ -121,9 +120,6 @@ def test_tree_cost_correction_learns_what_tree_tokens_really_cost():
         corr.record(_table, 8, 8, 20, unit * (1.0 + 2 * 0.05 * 12))
     assert corr.scale(8) == pytest.approx(1.0)
     assert corr.factor(8) == pytest.approx(2.0, rel=0.02)
-    cost = corr.cost(_table, 8, 8)
-    assert cost(8, 8) == pytest.approx(1.0)  # the plain part is left alone
-    assert cost(8, 20) == pytest.approx(1.0 + 2 * 0.6, rel=0.02)
     assert corr.factor(6) == corr.factor(8)  # a batch size not seen with trees: the nearest one's
 
 
@@ -148,4 +144,51 @@ def test_tree_cost_correction_is_bounded_and_a_dearer_tree_part_shrinks_the_budg
     # a node worth 0.3 of a token pays against the table at 2 rows, not against four times its price
     cand = ScoredTree(TokenTree.from_sequences([DraftSequence((5,), "s")]), [0.3], [{"s": 1.0}], cap=8)
     assert choose_nodes([cand, None], _table, rows=2, base_tokens=2, min_gain=1.02) == [[0], []]
-    assert choose_nodes([cand, None], corr.cost(_table, 2, 2), rows=2, base_tokens=2, min_gain=1.02) == [[], []]
+    assert choose_nodes([cand, None], _table, rows=2, base_tokens=2, min_gain=1.02,
+                        tree_factor=corr.factor(2)) == [[], []]
+
+
+def test_tree_factor_scales_only_what_the_trees_add_to_the_forward():
+    """A plain 2-row forward costs 1.0 and a tree token 0.05 (``_table``): a node worth 0.2 of a token
+    makes 2.2 / (1 + 0.05 f) tokens per unit against a plain 2, so it pays below f = 2 only. Were the
+    factor to scale the whole forward, it could not change the choice at all."""
+    cand = ScoredTree(TokenTree.from_sequences([DraftSequence((5,), "s")]), [0.2], [{"s": 1.0}], cap=8)
+    kept = [choose_nodes([cand, None], _table, rows=2, base_tokens=2, min_gain=1.0, tree_factor=f)[0] for f in (1, 1.5, 2.5, 4)]
+    assert kept == [[0], [0], [], []]
+
+
+def test_a_steps_prefill_does_not_make_its_tree_tokens_look_cheap():
+    """Two decoding rows share the forward with a 60-token prompt chunk (``_table``: 1 + 0.05 a token
+    beyond the rows). Against that step's own rate (2 tokens for 4 units) a node worth 0.05 of a
+    token looked worth its 0.05 units; at the rate the batch decodes at (2 a unit) it is not, and a
+    node worth 0.3 still is."""
+    def cand(score):
+        return ScoredTree(TokenTree.from_sequences([DraftSequence((5,), "s")]), [score], [{"s": 1.0}], cap=8)
+
+    step = dict(rows=3, base_tokens=62, min_gain=1.0, prefill_tokens=60, decoding_rows=2)
+    assert choose_nodes([cand(0.05), None], _table, rows=3, base_tokens=62, min_gain=1.0) == [[0], []]  # the step's own rate
+    assert choose_nodes([cand(0.05), None], _table, **step) == [[], []]
+    assert choose_nodes([cand(0.3), None], _table, **step) == [[0], []]
+
+
+def test_with_prefill_the_kept_nodes_are_worth_their_time_at_the_batchs_decoding_rate():
+    """Brute force: the decoding rows' best rate without the chunks is the price; the kept prefix
+    maximizes the kept scores minus the price times what they add to the real forward."""
+    rng = random.Random(3)
+    for _ in range(200):
+        rows, prefill = rng.randint(1, 8), rng.randint(1, 200)
+        scores = sorted((rng.random() for _ in range(rng.randint(1, 30))), reverse=True)
+        chain = TokenTree.from_sequences([DraftSequence(tuple(range(len(scores))), "s")])
+        batch = BatchCost(CostModel(CURVE), {r: {r * k: CURVE[1] + 0.1 * r + 0.02 * r * k * k for k in (1, 2, 4, 8)} for r in (2, 4, 8)})
+        factor = rng.choice([1.0, 1.7])
+        kept = choose_nodes([ScoredTree(chain, list(scores), [{} for _ in scores], 64)], batch, rows=rows + 1,
+                            base_tokens=rows + prefill, min_gain=1.0, prefill_tokens=prefill, decoding_rows=rows,
+                            tree_factor=factor, overhead=0.1)[0]
+
+        def forward(r, base, k):
+            return batch(r, base) + factor * (batch(r, base + k) - batch(r, base))
+
+        price = max((rows + sum(scores[:k])) / (forward(rows, rows, k) + 0.1) for k in range(len(scores) + 1))
+        net = [sum(scores[:k]) - price * (forward(rows + 1, rows + prefill, k) - forward(rows + 1, rows + prefill, 0))
+               for k in range(len(scores) + 1)]
+        assert net[len(kept)] == pytest.approx(max(net))
