@@ -4,9 +4,8 @@
 (rows x tokens, measured at load), ``choose_nodes`` the rule that picks the nodes of every
 request of a step against them. The rest is what the scheduler learns while it runs, because
 the table is measured once, over uniform chains, on a box whose load moves: the step's time
-outside the forward (``StepOverhead``), what trees really cost beyond the table
-(``TreeCostCorrection``) and what the batch's time is worth (``BatchRate``). The tree builder
-scores the nodes; this module only weighs them.
+outside the forward (``StepOverhead``) and what trees really cost beyond the table
+(``TreeCostCorrection``). The tree builder scores the nodes; this module only weighs them.
 """
 
 from __future__ import annotations
