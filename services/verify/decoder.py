@@ -43,7 +43,7 @@ from draftmesh.verify.policy import AcceptancePolicy, make_policy
 from draftmesh.verify.request_run import RequestRun, StepPlan
 from draftmesh.verify.scheduler import BatchLimits, BatchScheduler, Ticket
 from draftmesh.verify.session_kv import SessionKVPool
-from draftmesh.verify.source_caller import SourceCaller
+from draftmesh.verify.source_caller import SourceAnswers, SourceCaller
 from draftmesh.verify.tree_builder import CostAwareTreeBuilder, ScoredTree, TreeBuilder, default_aligner
 
 log = logging.getLogger(__name__)
@@ -77,7 +77,7 @@ class SpeculativeDecoder:
                              f"{max_rest}, {rest_min_rows}")
         self.target = target
         self.rest_after = rest_after
-        """Dry steps before a request rests its sources (0: never rest; see ``draft_step``)."""
+        """Dry steps before a request rests its sources (0: never rest; see ``ask_sources``)."""
         self.max_rest = max_rest
         """The longest rest, in steps (rests grow 1, 2, 4, ... up to it, one probe between two)."""
         self.rest_min_rows = rest_min_rows
@@ -321,10 +321,11 @@ class SpeculativeDecoder:
         return out
 
     # ------------------------------------------------------------------ a request's part of a step
-    def draft_step(self, run: RequestRun, cache_len: int, batch_rows: int = 1) -> ScoredTree | None:
-        """Ask the request's sources; return its candidate nodes for the batch budget, or None
-        (the plan then holds a fixed tree: a builder that sizes its own, or no draft).
-        ``batch_rows``: the requests in this step's batch (whether it may rest its sources)."""
+    def ask_sources(self, run: RequestRun, batch_rows: int = 1) -> bool:
+        """Start the request's source calls for this step; False when it drafts nothing this step
+        (the plan then holds a fixed tree or none). ``batch_rows``: the requests in this step's
+        batch (whether it may rest its sources). A step asks every request's sources first, then
+        collects them (``candidates``) against one deadline."""
         req, plan = run.req, run.plan
         spec = req.speculation
         active = [src for src in self.sources if spec.sources is None or src.name in spec.sources]
@@ -332,21 +333,38 @@ class SpeculativeDecoder:
         if len(run.steps) < self.trace_steps:
             plan.span = self._tracer.start_span("step", context=trace.set_span_in_context(run.span))
         if not (spec.enabled and active and spec.max_nodes != 0 and remaining > 1):
-            return None
+            return False
         may_rest = self.rest_after > 0 and batch_rows >= self.rest_min_rows
         if run.rest > 0:  # no source had a draft for this request lately: a plain step, nobody asked
             if may_rest:
                 run.rest -= 1
-                return None
+                return False
             run.rest = 0  # the batch shrank: asking is cheap again, the rest ends
         cooling = getattr(self.builder, "cooling_down", None)
         if cooling is not None and cooling(req.request_id):  # its trees kept failing: plain, nobody asked
-            return None
+            return False
         t0 = time.perf_counter()
-        with trace.use_span(plan.span), self._tracer.start_as_current_span("draft"):
+        plan.draft_span = self._tracer.start_span("draft", context=trace.set_span_in_context(plan.span))
+        with trace.use_span(plan.draft_span):
             plan.ctx = ctx = self._context(req, run.prompt, run.generated, size_hint=self.builder.max_nodes,
                                            lossless=run.policy.lossless, prepared=run.prepared)
-            proposals, plan.proposed, failed = self._proposals(ctx, active, spec.source_caps)
+            plan.asked = self.caller.submit(active, ctx)
+        plan.may_rest = may_rest
+        plan.draft_s = time.perf_counter() - t0
+        return True
+
+    def candidates(self, run: RequestRun, cache_len: int, deadline_at: float | None) -> ScoredTree | None:
+        """The request's candidate nodes for the batch budget from the answers of its sources
+        (``ask_sources``), awaited until ``deadline_at``; None when the plan holds a fixed tree
+        (a builder that sizes its own) or no source had anything."""
+        req, plan = run.req, run.plan
+        t0 = time.perf_counter()
+        ctx = plan.ctx
+        remaining = req.max_new_tokens - len(run.generated)
+        with trace.use_span(plan.draft_span, end_on_exit=True):
+            proposals, plan.proposed, failed = self._proposals(ctx, self.caller.collect(plan.asked, deadline_at),
+                                                               req.speculation.source_caps)
+            plan.asked = None
             # The bonus token always comes on top, and positions must stay inside the context.
             max_depth = min(remaining - 1, self.target.max_context - cache_len - 2)
             candidate = None
@@ -364,10 +382,10 @@ class SpeculativeDecoder:
             run.dry = run.rests = 0
         else:
             run.dry += 1
-            if may_rest and run.dry >= self.rest_after:  # rest 1, 2, 4, ... max_rest steps, a dry probe between
+            if plan.may_rest and run.dry >= self.rest_after:  # rest 1, 2, 4, ... max_rest steps, a dry probe between
                 run.rest = min(self.max_rest, 1 << min(run.rests, 30))
                 run.rests += 1
-        plan.draft_s = time.perf_counter() - t0
+        plan.draft_s += time.perf_counter() - t0
         return candidate
 
     def prepare_verify(self, run: RequestRun) -> None:
@@ -439,15 +457,14 @@ class SpeculativeDecoder:
         return options
 
     def _proposals(
-        self, ctx: DraftContext, sources: Sequence[DraftSource], caps: Mapping[str, int]
+        self, ctx: DraftContext, answers: SourceAnswers, caps: Mapping[str, int]
     ) -> tuple[list[Proposal], dict[str, int], list[str]]:
+        """The answered proposals, cut to what the step's tree can hold, per-source caps applied."""
         proposals: list[Proposal] = []
         proposed: dict[str, int] = {}
-        answers = self.caller.call(sources, ctx)
+        sources = [s for s in self.sources if s.name in answers.proposals]
         failed = list(answers.failed)
         for source in sources:
-            if source.name not in answers.proposals:
-                continue
             # Cut to what this step's tree can hold before anything looks at them: a source
             # (an external one above all) may send any number of proposals of any length.
             got = [bounded(p, ctx.size_hint) for p in answers.proposals[source.name][:MAX_PROPOSALS_PER_SOURCE]]

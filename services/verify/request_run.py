@@ -41,6 +41,11 @@ class StepPlan:
     draft_s: float = 0.0
     flags: Future | None = None
     span: trace.Span = trace.INVALID_SPAN
+    draft_span: trace.Span = trace.INVALID_SPAN
+    asked: Any = None
+    """The source calls started for this step (``SourceCaller.submit``), until collected."""
+    may_rest: bool = False
+    """Whether a dry answer this step counts towards resting the request's sources."""
 
 
 class RequestRun:
@@ -69,7 +74,7 @@ class RequestRun:
         """The last decode step's verdict (the builder learns from it)."""
         self.prefill_span: trace.Span | None = None
         self.dry = 0
-        """Steps in a row whose sources proposed nothing (``SpeculativeDecoder.draft_step``)."""
+        """Steps in a row whose sources proposed nothing (``SpeculativeDecoder.candidates``)."""
         self.rest = 0
         """Steps left that decode without asking any source."""
         self.rests = 0

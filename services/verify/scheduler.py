@@ -229,11 +229,20 @@ class BatchScheduler:
             (to_draft if finishes else stepping).append(t)
         candidates: list[ScoredTree | None] = []
         drafted: list[Ticket] = []
+        # Every request's sources are asked first, then collected against one deadline: the step
+        # waits at most one source deadline whatever its batch, and the calls' hand-offs overlap.
+        asked: list[tuple[Ticket, bool]] = []
         for t in to_draft:  # the last prefill chunk, the root and a tree can share one forward
+            try:
+                asked.append((t, decoder.ask_sources(t.run, len(runs))))
+            except Exception as exc:  # one request's fault: it fails, the batch goes on
+                self._fail(t, exc)
+        deadline_at = decoder.caller.deadline_at()
+        for t, drafting in asked:
             run = t.run
             try:
-                cand = decoder.draft_step(run, self.kv.lengths[run.row] + len(run.plan.chunk), len(runs))
-            except Exception as exc:  # one request's fault: it fails, the batch goes on
+                cand = decoder.candidates(run, self.kv.lengths[run.row] + len(run.plan.chunk), deadline_at) if drafting else None
+            except Exception as exc:
                 self._fail(t, exc)
                 continue
             stepping.append(t)

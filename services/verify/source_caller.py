@@ -1,6 +1,7 @@
 """Ask a step's draft sources with a deadline: a slow or broken source is skipped, never awaited.
 
-Sources run on worker threads; the step waits at most ``deadline_s`` for all of them.
+Sources run on worker threads; the step waits at most ``deadline_s`` for all of them, all of its
+requests' calls together (``submit`` each request's, then ``collect`` each against one deadline).
 A source that misses the deadline is counted as timed out; while its call for a request is
 still running it is skipped as busy *for that request*: busy state is kept per (request,
 source), so one request's slow call (rag indexing a large document, a remote source stuck on
@@ -19,6 +20,7 @@ from __future__ import annotations
 import concurrent.futures as cf
 import logging
 import threading
+import time
 from dataclasses import dataclass, field
 from typing import Sequence
 
@@ -55,6 +57,20 @@ class SourceAnswers:
     """Source name -> "error", "timeout" or "busy"."""
     late: set[str] = field(default_factory=set)
     """Sources whose proposals this step come from their previous, late answer."""
+
+
+@dataclass
+class PendingAnswers:
+    """Calls started for one request's step (``SourceCaller.submit``), not yet collected."""
+
+    ctx: DraftContext
+    answers: SourceAnswers = field(default_factory=SourceAnswers)
+    futures: dict[cf.Future, str] = field(default_factory=dict)
+    """Pool calls -> their source's name."""
+    late_answers: dict[str, list[Proposal]] = field(default_factory=dict)
+    """A previous late answer per source, advanced to this step's context."""
+    inline: list[DraftSource] = field(default_factory=list)
+    """Sources that run on the caller's thread when collected."""
 
 
 MAX_CALLS_PER_SOURCE = 4
@@ -101,35 +117,57 @@ class SourceCaller:
             return len(self._running)
 
     def call(self, sources: Sequence[DraftSource], ctx: DraftContext) -> SourceAnswers:
-        answers = SourceAnswers()
+        """Ask ``sources`` for ``ctx`` and wait at most the deadline for them."""
+        return self.collect(self.submit(sources, ctx), self.deadline_at())
+
+    def deadline_at(self) -> float | None:
+        """When calls started now must have answered (``time.monotonic``); None without a deadline."""
+        return time.monotonic() + self.deadline_s if self.deadline_s else None
+
+    def submit(self, sources: Sequence[DraftSource], ctx: DraftContext) -> PendingAnswers:
+        """Start the calls of ``sources`` for ``ctx`` on the pool; ``collect`` waits for them.
+
+        A step submits every request's calls first and then collects each with one deadline for
+        all (``deadline_at`` taken after the last submission), so the step waits at most one
+        deadline for its sources whatever its batch, and their thread hand-offs overlap."""
+        pending = PendingAnswers(ctx)
         if self._pool is None:
-            self._call_inline(sources, ctx, answers)
-            return answers
-        # A compute-bound source (a draft model) runs here, on the step's (compute) thread, while the
-        # others run on the pool: no deadline can stop it, so its own budget bounds it (draft.base).
-        inline = [s for s in sources if compute_bound(s)]
-        sources = [s for s in sources if not compute_bound(s)]
-        futures: dict[cf.Future, str] = {}
-        late_answers: dict[str, list[Proposal]] = {}
+            pending.inline = list(sources)
+            return pending
+        # A compute-bound source (a draft model) runs on the step's (compute) thread when collected,
+        # while the others run on the pool: no deadline can stop it, so its own budget bounds it (draft.base).
+        pending.inline = [s for s in sources if compute_bound(s)]
         ids = tuple(ctx.token_ids)
         with self._lock:
             self._prune()
             for source in sources:
+                if compute_bound(source):
+                    continue
                 key = (ctx.request_id, source.name)
                 previous = self._running.get(key)
                 if previous is not None and not previous.future.done():
-                    answers.failed[source.name] = "busy"
+                    pending.answers.failed[source.name] = "busy"
                     continue
                 if self._in_flight(source.name) >= self.max_per_source:
-                    answers.failed[source.name] = "busy"
+                    pending.answers.failed[source.name] = "busy"
                     continue
                 if previous is not None and previous.late:
-                    late_answers[source.name] = self._advance(previous, ctx)
+                    pending.late_answers[source.name] = self._advance(previous, ctx)
                 future = self._pool.submit(tracing.in_context(propose_traced), source, ctx)
                 self._running[key] = _Call(future, ctx.request_id, ids)
-                futures[future] = source.name
-        self._call_inline(inline, ctx, answers)
-        done, late = cf.wait(futures, timeout=self.deadline_s)
+                pending.futures[future] = source.name
+        return pending
+
+    def collect(self, pending: PendingAnswers, deadline_at: float | None) -> SourceAnswers:
+        """The answers of ``submit``'s calls: the compute-bound sources run here, then the pool's
+        are awaited until ``deadline_at`` (``time.monotonic``); the late ones are kept for the
+        request's next step."""
+        ctx, answers, futures = pending.ctx, pending.answers, pending.futures
+        self._call_inline(pending.inline, ctx, answers)
+        if not futures:
+            return answers
+        timeout = None if deadline_at is None else max(0.0, deadline_at - time.monotonic())
+        done, late = cf.wait(futures, timeout=timeout)
         with self._lock:  # answered in time: nothing to keep for the next step
             for future in done:
                 key = (ctx.request_id, futures[future])
@@ -148,11 +186,11 @@ class SourceCaller:
                 call = self._running.get((ctx.request_id, name))
                 if call is not None and call.future is future:
                     call.late = True
-            if late_answers.get(name):
-                answers.proposals[name] = late_answers[name]
+            if pending.late_answers.get(name):
+                answers.proposals[name] = pending.late_answers[name]
                 answers.late.add(name)
                 continue
-            log.warning("draft source %s missed the %.0f ms deadline; skipped", name, 1e3 * self.deadline_s)
+            log.warning("draft source %s missed the %.0f ms deadline; skipped", name, 1e3 * (self.deadline_s or 0))
             answers.failed[name] = "timeout"
         return answers
 

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import random
 import threading
+import time
 
 import pytest
 import torch
@@ -446,6 +447,45 @@ def test_the_batch_budget_is_told_which_of_the_steps_tokens_are_prompt_chunks(ti
     # every prompt but its last token, which goes in as the row's root
     assert first["prefill_tokens"] == prompts - 3 and first["base_tokens"] == prompts
     assert all(kw["prefill_tokens"] == 0 and kw["decoding_rows"] == kw["rows"] for kw in given[1:])
+
+
+class _LateSource:
+    """Answers nothing, always after the step's deadline."""
+
+    name = "late"
+
+    def __init__(self, delay_s: float) -> None:
+        self.delay_s = delay_s
+        self.calls = 0
+
+    def propose(self, ctx):
+        self.calls += 1
+        time.sleep(self.delay_s)
+        return []
+
+
+def test_a_step_waits_one_source_deadline_whatever_its_batch(tiny):
+    """Every request's calls are started before any is awaited: a source that misses the deadline
+    for four requests of a batch costs the step one deadline (0.2 s), not four (0.8 s, as it did
+    when each request's calls were awaited in turn); the requests still decode their plain output."""
+    late = _LateSource(1.0)
+    decoder = SpeculativeDecoder(tiny, [late], TrieBuilder(max_nodes=8), source_deadline_s=0.2)
+    try:
+        rng = random.Random(11)
+        prompts = [random_prompt(rng, tiny.vocab_size) for _ in range(4)]
+        tickets = [decoder.submit(GenerationRequest(p, max_new_tokens=4, request_id=f"r{i}")) for i, p in enumerate(prompts)]
+        t0 = time.perf_counter()
+        decoder.scheduler.step()
+        first = time.perf_counter() - t0
+        assert late.calls == 4  # every request asked it
+        assert first < 0.6
+        while not all(t.done for t in tickets):
+            decoder.scheduler.step()
+        for p, t in zip(prompts, tickets):
+            result = list(t.events)[-1]
+            assert t.error is None and tuple(result.token_ids) == tuple(reference_greedy(tiny, p, 4))
+    finally:
+        decoder.close()
 
 
 def test_speculation_off_requests_share_the_batch_with_speculating_ones(tiny):
