@@ -32,7 +32,7 @@ from typing import Any, Callable, Iterator, Mapping, Sequence
 from draftmesh.bench.items import PreparedItem
 from draftmesh.bench.methods import MESH_PAIRS
 from draftmesh.bench.report import fmt
-from draftmesh.config import BuilderConfig, EngineConfig
+from draftmesh.config import BuilderConfig, EngineConfig, SourcesConfig
 from draftmesh.io_struct import GenerationRequest, GenerationResult, StepEvent
 from draftmesh.verify.engine import batch_limits, build_decoder
 
@@ -69,12 +69,14 @@ def concurrency_methods(text: str | None) -> list[str]:
     return list(dict.fromkeys(names))
 
 
-def _decoder(method: str, target, engine: EngineConfig, builder: BuilderConfig, source_options):
+def _decoder(method: str, target, engine: EngineConfig, builder: BuilderConfig, source_options,
+             source_deadline_s: float | None = SourcesConfig().deadline_s):
     limits = batch_limits(engine)
     if method == PLAIN_SERIAL:
         limits = dataclasses.replace(limits, max_rows=1)
     sources = None if method == DRAFTMESH else ()
-    return build_decoder(target, sources, source_options=source_options, builder_config=builder, batch_limits=limits)
+    return build_decoder(target, sources, source_options=source_options, builder_config=builder, batch_limits=limits,
+                         source_deadline_s=source_deadline_s)
 
 
 def _request(item: PreparedItem) -> GenerationRequest:
@@ -230,7 +232,8 @@ def prefill_probe(target, engine: EngineConfig, builder: BuilderConfig, long_tok
 
 
 def run_concurrency(target, items: Sequence[PreparedItem], levels: Sequence[int], methods: Sequence[str], *,
-                    engine: EngineConfig, builder: BuilderConfig, source_options=None, repeats: int = 1,
+                    engine: EngineConfig, builder: BuilderConfig, source_options=None,
+                    source_deadline_s: float | None = SourcesConfig().deadline_s, repeats: int = 1,
                     probe_tokens: int | None = 2048, progress=print,
                     loads: dict[str, Callable[[], Any]] | None = None,
                     external: Mapping[str, Callable[[Sequence[PreparedItem], int], PassResult]] | None = None,
@@ -253,7 +256,8 @@ def run_concurrency(target, items: Sequence[PreparedItem], levels: Sequence[int]
                     runs.setdefault((m, c), []).append(res)
                     progress(f"  pass {rep + 1}/{repeats} C={c} {m}: {res.tokens_per_s:.1f} tok/s")
                     continue
-                load = loads[m]() if m in loads else EngineLoad(_decoder(m, target, engine, builder, source_options))
+                load = loads[m]() if m in loads else EngineLoad(_decoder(m, target, engine, builder, source_options,
+                                                                                    source_deadline_s))
                 try:
                     res = run_pass(load, m, items, c)
                 finally:

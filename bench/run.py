@@ -143,7 +143,7 @@ def run(args: argparse.Namespace) -> int:
             with contextlib.ExitStack() as cleanup:
                 runners = [
                     make_runner(m, target, assistant=assistant, builder_config=cfg.builder,
-                                source_options=cfg.sources.options)
+                                source_options=cfg.sources.options, source_deadline_s=cfg.sources.deadline_s)
                     for m in methods
                     if m.family not in ("mesh", "vllm")
                 ]
@@ -291,7 +291,8 @@ def _run_concurrency(args, cfg, target, prepared, threads: int, tls_ca: bytes | 
         print(f"draftmesh bench --concurrency {','.join(map(str, levels))}: {len(prepared)} items, methods {', '.join(methods)}")
         try:
             report = run_concurrency(target, prepared, levels, methods, engine=cfg.engine, builder=cfg.builder,
-                                     source_options=cfg.sources.options, repeats=opt("repeats") or 1,
+                                     source_options=cfg.sources.options, source_deadline_s=cfg.sources.deadline_s,
+                                     repeats=opt("repeats") or 1,
                                      probe_tokens=opt("prefill_probe_tokens"), loads=loads, external=external)
         except MeshError as exc:
             return _error(str(exc))

@@ -15,7 +15,7 @@ from draftmesh.backend import TorchTarget
 from draftmesh.bench.items import ItemRun, MethodRunner, PreparedItem, SourceStats, cut_at_eos
 from draftmesh.bench.methods import Method
 from draftmesh.bench.tracing import tracing_switch
-from draftmesh.config import BuilderConfig, EngineConfig
+from draftmesh.config import BuilderConfig, EngineConfig, SourcesConfig
 from draftmesh.io_struct import GenerationRequest, SpeculationParams
 from draftmesh.verify.engine import build_decoder
 
@@ -74,6 +74,7 @@ class EngineRunner:
         sources: Sequence[str] | None,
         *,
         source_options: Mapping[str, Mapping] | None = None,
+        source_deadline_s: float | None = SourcesConfig().deadline_s,
         builder_config: BuilderConfig | None = None,
         policy: str = "exact",
         traced: bool = False,
@@ -87,13 +88,14 @@ class EngineRunner:
         self.target = target
         self.sources = None if sources is None else tuple(sources)
         self.source_options = source_options
+        self.source_deadline_s = source_deadline_s
         self.builder_config = builder_config
         self.decoder = None
         self.counter: _CountingBuilder | None = None
 
     def reset(self) -> None:
         self.decoder = build_decoder(self.target, self.sources, source_options=self.source_options,
-                                     builder_config=self.builder_config)
+                                     builder_config=self.builder_config, source_deadline_s=self.source_deadline_s)
         self.counter = None
         if self.decoder.sources:
             self.counter = _CountingBuilder(self.decoder.builder)
@@ -238,7 +240,8 @@ class HFRunner:
 
 
 def make_runner(
-    method: Method, target, *, assistant=None, builder_config: BuilderConfig | None = None, source_options=None
+    method: Method, target, *, assistant=None, builder_config: BuilderConfig | None = None, source_options=None,
+    source_deadline_s: float | None = SourcesConfig().deadline_s,
 ) -> MethodRunner:
     """The runner for a method on a local target (mesh methods: ``make_mesh_runners``)."""
     if method.family == "mesh":
@@ -247,7 +250,8 @@ def make_runner(
         raise ValueError(f"{method.name} runs in vLLM's own environment: use vllm_runner.start_vllm")
     if method.family == "engine":
         return EngineRunner(
-            method.name, target, method.sources, source_options=source_options, builder_config=builder_config, policy=method.policy,
+            method.name, target, method.sources, source_options=source_options, source_deadline_s=source_deadline_s,
+            builder_config=builder_config, policy=method.policy,
             traced=method.traced,
         )
     return HFRunner(method.name, target, method.hf_mode or "greedy", assistant=assistant)

@@ -139,3 +139,33 @@ def test_concurrency_through_the_mesh(mesh, tmp_path, capsys):
     assert rows[("mesh:plain", 2)]["mean_rows"] is None and rows[("plain-serial", 2)]["mean_rows"] == 1.0
     assert rows[("mesh:plain", 2)]["step_ms"] is None and rows[("draftmesh", 2)]["step_ms"] > 0
     assert rows[("mesh:plain", 2)]["busy_share"] is None
+
+
+@pytest.mark.parametrize("deadline_ms, want", [(0, None), (250, 0.25)])
+def test_the_config_files_source_deadline_reaches_every_decoder_the_bench_builds(tmp_path, monkeypatch, deadline_ms, want):
+    """``sources.deadline_ms`` from ``--config`` (0: the sources called inline) holds for the concurrency
+    passes' decoders and the single-stream runners' alike; the bench built them with the default
+    100 ms whatever the config said."""
+    import draftmesh.bench.concurrency as concurrency
+    import draftmesh.bench.runners as runners
+
+    built = []
+    for module in (concurrency, runners):
+        real = module.build_decoder
+
+        def recording(*args, _real=real, **kwargs):
+            decoder = _real(*args, **kwargs)
+            built.append(decoder.caller.deadline_s)
+            return decoder
+
+        monkeypatch.setattr(module, "build_decoder", recording)
+    config = tmp_path / "bench.yaml"
+    config.write_text(f"sources:\n  deadline_ms: {deadline_ms}\n")
+    target = tiny_target("llama", vocab_size=64, dtype=__import__("torch").float32)
+    workload = str(workload_file(tmp_path, n=2, max_new_tokens=4))
+    for extra in (["--concurrency", "2", "--prefill-probe-tokens", "0"], ["--methods", "plain,draftmesh"]):
+        args = parse(["--workload", workload, "--config", str(config), "--repeats", "1", "--threads", "1",
+                      "--no-cost-curve", "--no-progress", *extra])
+        args.model = target
+        assert run(args) == 0
+    assert len(built) >= 4 and set(built) == {want}
