@@ -31,8 +31,6 @@ from collections import deque
 from dataclasses import dataclass, field
 from typing import Any
 
-from opentelemetry import trace
-
 from draftmesh import compute
 from draftmesh.backend import ForwardInterrupted, KVState
 from draftmesh.batch_kv import SlotKVCache
