@@ -345,10 +345,14 @@ class SpeculativeDecoder:
             return False
         t0 = time.perf_counter()
         plan.draft_span = self._tracer.start_span("draft", context=trace.set_span_in_context(plan.span))
-        with trace.use_span(plan.draft_span):
-            plan.ctx = ctx = self._context(req, run.prompt, run.generated, size_hint=self.builder.max_nodes,
-                                           lossless=run.policy.lossless, prepared=run.prepared)
-            plan.asked = self.caller.submit(active, ctx)
+        try:
+            with trace.use_span(plan.draft_span):
+                plan.ctx = ctx = self._context(req, run.prompt, run.generated, size_hint=self.builder.max_nodes,
+                                               lossless=run.policy.lossless, prepared=run.prepared)
+                plan.asked = self.caller.submit(active, ctx)
+        except BaseException:  # no ``candidates`` will end it: the request fails here
+            plan.draft_span.end()
+            raise
         plan.may_rest = may_rest
         plan.draft_s = time.perf_counter() - t0
         return True

@@ -504,3 +504,39 @@ def test_speculation_off_requests_share_the_batch_with_speculating_ones(tiny):
         assert results[i].token_ids == want[i]
         trees = sum(s.tree_size for s in results[i].steps)
         assert (trees > 0) == (i % 2 == 0)
+
+
+def test_a_request_whose_sources_cannot_be_asked_fails_alone_and_its_draft_span_ends(tiny, monkeypatch):
+    """Building one request's draft context raises: that request fails, the other decodes its plain
+    output, and the failed request's ``draft`` span is ended (it is ended when the answers are
+    collected, which a request that failed while asking never reaches)."""
+    from opentelemetry.sdk.trace import TracerProvider
+    from opentelemetry.sdk.trace.export import SimpleSpanProcessor
+    from opentelemetry.sdk.trace.export.in_memory_span_exporter import InMemorySpanExporter
+
+    exporter = InMemorySpanExporter()
+    provider = TracerProvider()
+    provider.add_span_processor(SimpleSpanProcessor(exporter))
+    rng = random.Random(12)
+    prompts = [random_prompt(rng, tiny.vocab_size) for _ in range(2)]
+    script = PerRequestScript(tiny.vocab_size, seed=12)
+    decoder = SpeculativeDecoder(tiny, [script], TrieBuilder(max_nodes=8))
+    decoder._tracer = provider.get_tracer("test")
+    real = decoder._context
+
+    def context(req, *args, **kwargs):
+        if req.request_id == "bad":
+            raise RuntimeError("no context")
+        return real(req, *args, **kwargs)
+
+    monkeypatch.setattr(decoder, "_context", context)
+    script.truth["good"] = want = reference_greedy(tiny, prompts[1], 6)
+    bad = decoder.submit(GenerationRequest(prompts[0], max_new_tokens=6, request_id="bad"))
+    good = decoder.submit(GenerationRequest(prompts[1], max_new_tokens=6, request_id="good"))
+    while not (bad.done and good.done):
+        decoder.scheduler.step()
+    assert isinstance(bad.error, RuntimeError) and good.error is None
+    assert tuple(list(good.events)[-1].token_ids) == tuple(want)
+    drafts = [s for s in exporter.get_finished_spans() if s.name == "draft"]
+    asked = sum(1 for step in good.run.steps if step.draft_s > 0)  # the steps the good request asked its source at
+    assert asked >= 1 and len(drafts) == asked + 1  # and the bad request's one
