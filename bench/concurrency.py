@@ -32,7 +32,7 @@ from typing import Any, Callable, Iterator, Mapping, Sequence
 from draftmesh.bench.items import PreparedItem
 from draftmesh.bench.methods import MESH_PAIRS
 from draftmesh.bench.report import fmt
-from draftmesh.config import BuilderConfig, EngineConfig, SourcesConfig
+from draftmesh.config import DEFAULT_SOURCE_DEADLINE_S, BuilderConfig, EngineConfig
 from draftmesh.io_struct import GenerationRequest, GenerationResult, StepEvent
 from draftmesh.verify.engine import batch_limits, build_decoder
 
@@ -70,7 +70,7 @@ def concurrency_methods(text: str | None) -> list[str]:
 
 
 def _decoder(method: str, target, engine: EngineConfig, builder: BuilderConfig, source_options,
-             source_deadline_s: float | None = SourcesConfig().deadline_s):
+             source_deadline_s: float | None = DEFAULT_SOURCE_DEADLINE_S):
     limits = batch_limits(engine)
     if method == PLAIN_SERIAL:
         limits = dataclasses.replace(limits, max_rows=1)
@@ -233,7 +233,7 @@ def prefill_probe(target, engine: EngineConfig, builder: BuilderConfig, long_tok
 
 def run_concurrency(target, items: Sequence[PreparedItem], levels: Sequence[int], methods: Sequence[str], *,
                     engine: EngineConfig, builder: BuilderConfig, source_options=None,
-                    source_deadline_s: float | None = SourcesConfig().deadline_s, repeats: int = 1,
+                    source_deadline_s: float | None = DEFAULT_SOURCE_DEADLINE_S, repeats: int = 1,
                     probe_tokens: int | None = 2048, progress=print,
                     loads: dict[str, Callable[[], Any]] | None = None,
                     external: Mapping[str, Callable[[Sequence[PreparedItem], int], PassResult]] | None = None,

@@ -15,7 +15,7 @@ from draftmesh.backend import TorchTarget
 from draftmesh.bench.items import ItemRun, MethodRunner, PreparedItem, SourceStats, cut_at_eos
 from draftmesh.bench.methods import Method
 from draftmesh.bench.tracing import tracing_switch
-from draftmesh.config import BuilderConfig, EngineConfig, SourcesConfig
+from draftmesh.config import DEFAULT_SOURCE_DEADLINE_S, BuilderConfig, EngineConfig
 from draftmesh.io_struct import GenerationRequest, SpeculationParams
 from draftmesh.verify.engine import build_decoder
 
@@ -74,7 +74,7 @@ class EngineRunner:
         sources: Sequence[str] | None,
         *,
         source_options: Mapping[str, Mapping] | None = None,
-        source_deadline_s: float | None = SourcesConfig().deadline_s,
+        source_deadline_s: float | None = DEFAULT_SOURCE_DEADLINE_S,
         builder_config: BuilderConfig | None = None,
         policy: str = "exact",
         traced: bool = False,
@@ -241,7 +241,7 @@ class HFRunner:
 
 def make_runner(
     method: Method, target, *, assistant=None, builder_config: BuilderConfig | None = None, source_options=None,
-    source_deadline_s: float | None = SourcesConfig().deadline_s,
+    source_deadline_s: float | None = DEFAULT_SOURCE_DEADLINE_S,
 ) -> MethodRunner:
     """The runner for a method on a local target (mesh methods: ``make_mesh_runners``)."""
     if method.family == "mesh":

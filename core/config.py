@@ -221,6 +221,7 @@ class SourcesConfig:
         return self.deadline_ms / 1000 if self.deadline_ms else None
 
 
+
 @dataclass(frozen=True)
 class BuilderConfig:
     """The cost-aware token-tree builder (``draftmesh.verify.tree_builder``)."""
@@ -812,3 +813,7 @@ def _set(data: dict[str, Any], path: Sequence[str], value: Any) -> None:
     for key in path[:-1]:
         data = data.setdefault(key, {})
     data[path[-1]] = value
+
+
+DEFAULT_SOURCE_DEADLINE_S = SourcesConfig().deadline_s
+"""The step's source deadline of a decoder built without a config (``sources.deadline_ms``'s default)."""

@@ -7,7 +7,7 @@ import dataclasses
 from typing import Any, Mapping, Sequence
 
 from draftmesh.backend import TorchTarget
-from draftmesh.config import BuilderConfig, DraftmeshConfig, EngineConfig
+from draftmesh.config import DEFAULT_SOURCE_DEADLINE_S, BuilderConfig, DraftmeshConfig, EngineConfig
 from draftmesh.draft import registry
 from draftmesh.draft.base import DraftSource
 from draftmesh.draft.grpc_source import GrpcDraftSource
@@ -26,7 +26,7 @@ def build_decoder(
     max_nodes: int | None = None,
     builder_config: BuilderConfig | None = None,
     redis_url: str | None = None,
-    source_deadline_s: float | None = 0.1,
+    source_deadline_s: float | None = DEFAULT_SOURCE_DEADLINE_S,
     extra_sources: Sequence[DraftSource] = (),
     kv_pool: SessionKVPool | None = None,
     flag_provider: FlagProvider | None = None,
