@@ -329,10 +329,9 @@ class SpeculativeDecoder:
         req, plan = run.req, run.plan
         spec = req.speculation
         active = [src for src in self.sources if spec.sources is None or src.name in spec.sources]
-        remaining = req.max_new_tokens - len(run.generated)
         if len(run.steps) < self.trace_steps:
             plan.span = self._tracer.start_span("step", context=trace.set_span_in_context(run.span))
-        if not (spec.enabled and active and spec.max_nodes != 0 and remaining > 1):
+        if not (spec.enabled and active and spec.max_nodes != 0 and run.remaining > 1):
             return False
         may_rest = self.rest_after > 0 and batch_rows >= self.rest_min_rows
         if run.rest > 0:  # no source had a draft for this request lately: a plain step, nobody asked
@@ -364,13 +363,12 @@ class SpeculativeDecoder:
         req, plan = run.req, run.plan
         t0 = time.perf_counter()
         ctx = plan.ctx
-        remaining = req.max_new_tokens - len(run.generated)
         with trace.use_span(plan.draft_span, end_on_exit=True):
             proposals, plan.proposed, failed = self._proposals(ctx, self.caller.collect(plan.asked, deadline_at),
                                                                req.speculation.source_caps)
             plan.asked = None
             # The bonus token always comes on top, and positions must stay inside the context.
-            max_depth = min(remaining - 1, self.target.max_context - cache_len - 2)
+            max_depth = min(run.remaining - 1, self.target.max_context - cache_len - 2)
             candidate = None
             try:
                 if hasattr(self.builder, "candidates"):  # the batch's budget picks its nodes

@@ -84,6 +84,11 @@ class RequestRun:
 
     # ------------------------------------------------------------------ phases
     @property
+    def remaining(self) -> int:
+        """Tokens it may still generate."""
+        return self.req.max_new_tokens - len(self.generated)
+
+    @property
     def to_prefill(self) -> int:
         """Prompt tokens not yet in the cache (the last prompt token is the first root, never prefilled)."""
         return max(0, len(self.prompt) - 1 - len(self.cached))
