@@ -7,8 +7,9 @@ decoder of ``draftmesh.direct_decoder`` and the tree attention of ``draftmesh.tr
 Each row of the table is a forward's time in ms and relative to the batch-1 one-token step of
 each, so the figures show both the shape of each cost curve and what each step does to the
 one-token step itself. Then the same one-token forward on the compute thread and on a second
-thread (``--thread-probe-only``: just that). The figures are in docs/batching.md and
-BENCHMARKS.md."""
+thread (``--thread-probe-only``: just that), and the same tokens in one forward shaped four ways
+(``--shape-probe-only``: just that): the batch's budget prices a forward by its rows and tokens
+alone, whatever trees they form. The figures are in docs/batching.md and BENCHMARKS.md."""
 
 from __future__ import annotations
 
@@ -67,6 +68,59 @@ def thread_probe(target: TorchTarget, rounds: int) -> tuple[float, float]:
     return statistics.median(on_compute), statistics.median(elsewhere)
 
 
+TREE_PARENTS = (-1, 0, 0, 1, 1, 2, 3, 3, 5, 6, 8, 9)
+"""A 12-node draft tree (each node's parent among the row's new tokens): a root and branches."""
+
+SHAPES: dict[str, tuple[int, ...]] = {
+    "8 rows x 1 token": (1,) * 8,
+    "8 rows, chains of 3,3,3,2,2,2,2,2": (3, 3, 3, 2, 2, 2, 2, 2),
+    "7 rows x 1 + one chain of 12": (1,) * 7 + (12,),
+    "7 rows x 1 + one tree of 12": (1,) * 7 + (-12,),
+}
+"""Rows' new tokens per shape (negative: a tree of that many nodes); all but the first hold 19 tokens."""
+
+
+def shape_inputs(shape: tuple[int, ...], vocab: int, salt: int = 0) -> list[RowInput]:
+    """The rows' inputs of one forward shaped as ``shape`` (logits for every new token)."""
+    rows = []
+    for row, n in enumerate(shape):
+        tokens = [(500 + salt + 13 * row + i) % vocab for i in range(abs(n))]
+        if n < 0:
+            rows.append(RowInput(row, tokens, list(TREE_PARENTS[: abs(n)]), 0))
+        else:
+            rows.append(RowInput.chain(row, tokens, logits_from=0))
+    return rows
+
+
+def shape_probe(target: TorchTarget, rounds: int, context: int = 150) -> dict[str, float]:
+    """Median ms of one forward per shape of ``SHAPES`` over rows of ``context`` cached tokens;
+    the shapes interleaved, their order reversed every other round."""
+    forward = TorchTarget.forward_batch.__wrapped__  # the forward itself (called on the compute thread)
+    rows = max(len(s) for s in SHAPES.values())
+    kv = target.new_batch_cache(max_bytes=1 << 40)
+    kv.ensure(rows, context + 2 * max(abs(n) for s in SHAPES.values() for n in s))
+    for row in range(rows):
+        kv.add_row()
+    v = target.vocab_size
+    forward(target, kv, [RowInput.chain(r, [(100 + 7 * r + i) % v for i in range(context)], logits_from=context)
+                         for r in range(rows)])
+    names = list(SHAPES)
+    times: dict[str, list[float]] = {n: [] for n in names}
+
+    def one(name: str, salt: int) -> None:
+        inputs = shape_inputs(SHAPES[name], v, salt)
+        t0 = time.perf_counter()
+        forward(target, kv, inputs)
+        times[name].append(1e3 * (time.perf_counter() - t0))
+        for row in range(rows):
+            kv.commit(row, context, [])
+
+    for i in range(rounds + 2):  # two warm-up rounds
+        for name in names if i % 2 == 0 else names[::-1]:
+            compute.run(one, name, i)
+    return {n: statistics.median(ts[2:]) for n, ts in times.items()}
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--model", default="smollm2-135m")
@@ -74,11 +128,16 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--threads", type=int, default=2)
     parser.add_argument("--thread-probe-only", action="store_true",
                         help="only the one-token forward on the compute thread vs on a second thread")
+    parser.add_argument("--shape-probe-only", action="store_true",
+                        help="only the same tokens in one forward as chains over 8 rows, one row's chain, one row's tree")
     args = parser.parse_args(argv)
     compute.set_threads(args.threads)
     target = TorchTarget.load(args.model)
     if args.thread_probe_only:
         _print_thread_probe(target, args.rounds)
+        return 0
+    if args.shape_probe_only:
+        _print_shape_probe(target, max(args.rounds, 8))
         return 0
     if not target.packed_linears:
         parser.error("the packed GEMM kernel does not run here (see draftmesh.packed_linear): nothing to compare")
@@ -111,7 +170,17 @@ def main(argv: list[str] | None = None) -> int:
                 cells.append(f"{1e3 * secs:>10.1f} ms {secs / base:>5.2f}x ({secs / own[n]:>4.2f}x)")
             print(f"  {r} rows x {k // r:>2} tokens     " + "".join(cells))
     _print_thread_probe(target, args.rounds)
+    _print_shape_probe(target, max(args.rounds, 8))
     return 0
+
+
+def _print_shape_probe(target: TorchTarget, rounds: int) -> None:
+    found = shape_probe(target, rounds)
+    base = found[next(iter(SHAPES))]
+    print(f"one forward, rows of 150 cached tokens, shaped four ways (medians of {rounds} interleaved rounds):")
+    for name, ms in found.items():
+        tokens = sum(abs(n) for n in SHAPES[name])
+        print(f"  {name:<36} {tokens:>3} tokens {ms:>8.2f} ms {ms / base:>5.2f}x")
 
 
 def _print_thread_probe(target: TorchTarget, rounds: int) -> None:
