@@ -7,7 +7,10 @@ per call larger than the arithmetic of a few queries over a few hundred keys. ``
 tree_attention.cpp`` instead takes each (token, query head) as one item and reads the token's
 visible keys and values from its row of the slab: the row's first ``ctx`` slots (its cache, plus
 the chain of new tokens leading to it when they follow the cache directly), then the slots of its
-other ancestors and itself.
+other ancestors and itself. The work goes to the threads in units of one row's KV head and two of
+its tokens, handed out as threads come free: a unit reads its KV head's cache once for its pairs,
+and a thread streaming cold rows from memory no longer holds up one whose row is in cache (a tree
+beside one-token rows at long contexts; BENCHMARKS, "The forward's cost").
 
 A token's output depends only on its own query, its visible keys and values and their order, so
 it is bitwise the same whatever else is in the step (``tests/core/test_tree_attention.py``).
@@ -19,6 +22,7 @@ every row keeps SDPA. ``DRAFTMESH_TREE_ATTENTION=off`` turns it off.
 from __future__ import annotations
 
 import ctypes
+import logging
 import os
 from dataclasses import dataclass
 from typing import Sequence
@@ -27,7 +31,11 @@ import torch
 
 from draftmesh import packed_linear
 
+log = logging.getLogger(__name__)
+
 ENV = "DRAFTMESH_TREE_ATTENTION"
+ABI = 2
+"""``dm_tree_attention``'s calling convention this module speaks (``dm_tree_attention_abi``)."""
 VECTOR_FLOATS = {"avx512": 16, "avx2": 8}
 MAX_VECTORS_PER_HEAD = 16
 """The kernel keeps a head's query and output in registers: ``head_dim`` <= 16 vectors."""
@@ -45,7 +53,7 @@ class TreeAttention:
         fn = lib.dm_tree_attention
         fn.restype = None
         fn.argtypes = [_ptr, _ptr, _long, _ptr, _long, _long, _long, _ptr, _ptr, _long, _ptr, _ptr, _ptr, _ptr,
-                       ctypes.c_float, _long, ctypes.c_int]
+                       ctypes.c_float, _long, _ptr, _long, ctypes.c_int]
         self._fn = fn
 
     def supports(self, dtype: torch.dtype, device: torch.device, head_dim: int) -> bool:
@@ -55,9 +63,10 @@ class TreeAttention:
     def plan(self, rows: Sequence[tuple[int, int, int, Sequence[int]]]) -> "AttentionPlan":
         """The plan for rows given as (row, cached length, offset of its first token in the
         step, parents of its tokens)."""
-        items, row_of, ctx, off, extra = [], [], [], [0], []
+        items, row_of, ctx, off, extra, rows_start = [], [], [], [0], [], [0]
         max_keys = 0
         for row, length, first, parents in rows:
+            rows_start.append(rows_start[-1] + len(parents))
             paths: list[list[int]] = []
             for i, p in enumerate(parents):
                 path = (paths[p] if p >= 0 else []) + [i]
@@ -73,7 +82,7 @@ class TreeAttention:
                 max_keys = max(max_keys, length + len(path))
         as_long = lambda xs: torch.tensor(xs, dtype=torch.long)  # noqa: E731
         return AttentionPlan(self, as_long(items), as_long(row_of), as_long(ctx), as_long(off),
-                             as_long(extra or [0]), max_keys)
+                             as_long(extra or [0]), max_keys, as_long(rows_start))
 
 
 @dataclass
@@ -87,6 +96,8 @@ class AttentionPlan:
     off: torch.Tensor
     extra: torch.Tensor
     max_keys: int
+    rows_start: torch.Tensor
+    """Each row's first item, and the end: the kernel works through a row KV head by KV head."""
 
     def run(self, q: torch.Tensor, out: torch.Tensor, keys: torch.Tensor, values: torch.Tensor,
             scale: float | None) -> None:
@@ -99,7 +110,17 @@ class AttentionPlan:
         self.kernel._fn(q.data_ptr(), out.data_ptr(), len(self.items), self.items.data_ptr(), heads,
                         keys.shape[1], dim, keys.data_ptr(), values.data_ptr(), keys.shape[2],
                         self.rows.data_ptr(), self.ctx.data_ptr(), self.off.data_ptr(), self.extra.data_ptr(),
-                        float(scale), self.max_keys, torch.get_num_threads())
+                        float(scale), self.max_keys, self.rows_start.data_ptr(), len(self.rows_start) - 1,
+                        torch.get_num_threads())
+
+
+def _abi(lib: ctypes.CDLL) -> int | None:
+    try:
+        fn = lib.dm_tree_attention_abi
+    except AttributeError:  # built before the ABI was numbered
+        return None
+    fn.restype, fn.argtypes = ctypes.c_int, []
+    return int(fn())
 
 
 _kernel: TreeAttention | None = None
@@ -114,5 +135,12 @@ def kernel() -> TreeAttention | None:
         build = packed_linear.native_build()
         if build is not None and os.environ.get(ENV, "").strip().lower() != "off":
             path, isa = build
-            _kernel = TreeAttention(packed_linear.native_library(path), isa)
+            lib = packed_linear.native_library(path)
+            abi = _abi(lib)
+            if abi == ABI:
+                _kernel = TreeAttention(lib, isa)
+            else:
+                log.warning("the native library %s has tree attention ABI %s, this code needs %s (built from an "
+                            "older source: reinstall, `pip install -e .`); decode and tree tokens use SDPA",
+                            path, abi, ABI)
     return _kernel

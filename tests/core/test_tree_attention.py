@@ -121,3 +121,17 @@ def test_fp32_short_rows_use_the_kernel_and_prefill_chunks_and_float64_keep_sdpa
     monkeypatch.setattr(tree_attention, "_kernel", None)
     assert tree_attention.kernel() is None
     assert tiny_target("llama", dtype=torch.float32, hidden_size=64).tree_attention is None
+
+
+def test_a_library_built_from_older_source_is_not_called(kernel, monkeypatch, caplog):
+    """A library whose calling convention is not this module's (an editable install not rebuilt) would
+    read its arguments wrongly: SDPA attends instead, with a warning that says to rebuild."""
+    monkeypatch.setattr(tree_attention, "_kernel", None)
+    monkeypatch.setattr(tree_attention, "_looked", False)
+    monkeypatch.setattr(tree_attention, "_abi", lambda lib: None)
+    with caplog.at_level("WARNING", logger="draftmesh.tree_attention"):
+        assert tree_attention.kernel() is None
+    assert "pip install -e ." in caplog.text
+    monkeypatch.setattr(tree_attention, "_looked", False)
+    monkeypatch.setattr(tree_attention, "_abi", lambda lib: tree_attention.ABI)
+    assert tree_attention.kernel() is not None
