@@ -130,14 +130,22 @@ def main(argv: list[str] | None = None) -> int:
                         help="only the one-token forward on the compute thread vs on a second thread")
     parser.add_argument("--shape-probe-only", action="store_true",
                         help="only the same tokens in one forward as chains over 8 rows, one row's chain, one row's tree")
+    parser.add_argument("--shape-contexts", default="150",
+                        help="comma-separated cached tokens per row for the shape probe (default: %(default)s)")
     args = parser.parse_args(argv)
+    try:
+        contexts = [int(c) for c in args.shape_contexts.split(",") if c.strip()]
+    except ValueError:
+        parser.error(f"--shape-contexts: comma-separated integers, got {args.shape_contexts!r}")
+    if not contexts or min(contexts) < 1:
+        parser.error(f"--shape-contexts: positive integers, got {args.shape_contexts!r}")
     compute.set_threads(args.threads)
     target = TorchTarget.load(args.model)
     if args.thread_probe_only:
         _print_thread_probe(target, args.rounds)
         return 0
     if args.shape_probe_only:
-        _print_shape_probe(target, max(args.rounds, 8))
+        _print_shape_probe(target, max(args.rounds, 8), contexts)
         return 0
     if not target.packed_linears:
         parser.error("the packed GEMM kernel does not run here (see draftmesh.packed_linear): nothing to compare")
@@ -170,17 +178,20 @@ def main(argv: list[str] | None = None) -> int:
                 cells.append(f"{1e3 * secs:>10.1f} ms {secs / base:>5.2f}x ({secs / own[n]:>4.2f}x)")
             print(f"  {r} rows x {k // r:>2} tokens     " + "".join(cells))
     _print_thread_probe(target, args.rounds)
-    _print_shape_probe(target, max(args.rounds, 8))
+    _print_shape_probe(target, max(args.rounds, 8), contexts)
     return 0
 
 
-def _print_shape_probe(target: TorchTarget, rounds: int) -> None:
-    found = shape_probe(target, rounds)
-    base = found[next(iter(SHAPES))]
-    print(f"one forward, rows of 150 cached tokens, shaped four ways (medians of {rounds} interleaved rounds):")
-    for name, ms in found.items():
-        tokens = sum(abs(n) for n in SHAPES[name])
-        print(f"  {name:<36} {tokens:>3} tokens {ms:>8.2f} ms {ms / base:>5.2f}x")
+def _print_shape_probe(target: TorchTarget, rounds: int, contexts: list[int]) -> None:
+    for context in contexts:
+        found = shape_probe(target, rounds, context)
+        base = found[next(iter(SHAPES))]
+        print(f"one forward, rows of {context} cached tokens, shaped four ways (medians of {rounds} interleaved rounds):")
+        for name, ms in found.items():
+            tokens = sum(abs(n) for n in SHAPES[name])
+            extra = (ms - base) / (tokens - len(SHAPES[name])) if tokens > len(SHAPES[name]) else 0.0
+            print(f"  {name:<36} {tokens:>3} tokens {ms:>8.2f} ms {ms / base:>5.2f}x"
+                  + (f"  {extra:.2f} ms per token past one a row" if extra else ""))
 
 
 def _print_thread_probe(target: TorchTarget, rounds: int) -> None:

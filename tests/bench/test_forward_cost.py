@@ -23,3 +23,15 @@ def test_the_probe_times_every_shape_on_a_real_batched_forward():
     found = shape_probe(tiny_target("llama"), rounds=2, context=20)
     assert list(found) == list(SHAPES)
     assert all(ms > 0 for ms in found.values())
+
+
+def test_bad_shape_contexts_are_a_usage_error_before_any_model_loads(capsys):
+    import pytest
+
+    from draftmesh.bench.forward_cost import main
+
+    for bad in ("x", "150,0", ""):
+        with pytest.raises(SystemExit) as exit_:
+            main(["--shape-probe-only", "--model", "/nonexistent/model", "--shape-contexts", bad])
+        assert exit_.value.code == 2
+        assert "--shape-contexts" in capsys.readouterr().err
