@@ -275,7 +275,8 @@ def run_concurrency(target, items: Sequence[PreparedItem], levels: Sequence[int]
         tps = [p.tokens_per_s for p in passes]
         lat = [x for p in passes for x in p.latencies]
         ttf = [x for p in passes for x in p.first_token]
-        same = sum(1 for p in passes for k, v in p.outputs.items() if reference.get(k) == v)
+        # None: no plain-serial pass ran, so nothing was compared (not "none identical")
+        same = sum(1 for p in passes for k, v in p.outputs.items() if reference.get(k) == v) if reference else None
         total = sum(len(p.outputs) for p in passes)
         rows.append({
             "method": m, "concurrency": c, "tokens_per_s": statistics.median(tps), "tokens_per_s_runs": tps,
@@ -360,6 +361,11 @@ def same_run_ratio_lines(rows: Sequence[Mapping[str, Any]]) -> list[str]:
     return ["", *lines] if lines else []
 
 
+def fmt_same(identical: int | None, outputs: int) -> str:
+    """The report's "same" cell: outputs identical to plain-serial's, or ``-`` when it did not run."""
+    return f"{'-' if identical is None else identical:>3}/{outputs:<3}"
+
+
 def format_concurrency(report: dict[str, Any]) -> str:
     lines = ["", "Concurrency (closed loop; aggregate completion tokens/s, medians over repeats)", ""]
     head = (f"{'C':>3} {'method':<15} {'tok/s':>8} {'x serial':>9} {'p50 s':>7} {'p95 s':>7} {'ttft50':>7} "
@@ -374,7 +380,7 @@ def format_concurrency(report: dict[str, Any]) -> str:
             f"{r['latency_p95_s']:>7.2f} {r['ttft_p50_s']:>7.3f} {r['ttft_p95_s']:>7.3f} {fmt(r['mean_rows'], '.2f'):>5} "
             f"{fmt(r['mean_tokens_per_forward']):>7} {fmt(r['speculating_share'], '.2f'):>5} "
             f"{fmt(r.get('step_ms')):>7} {fmt(r.get('forward_ms')):>6} "
-            f"{r['identical_to_plain_serial']:>3}/{r['outputs']:<3}")
+            f"{fmt_same(r['identical_to_plain_serial'], r['outputs'])}")
     probe = report.get("prefill_probe")
     if probe:
         lines += ["", f"Prefill probe: a short request's time to first token {1e3 * probe['ttft_alone_s']:.0f} ms alone, "

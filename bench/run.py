@@ -312,9 +312,9 @@ def _run_concurrency(args, cfg, target, prepared, threads: int, tls_ca: bytes | 
         print("vllm ran eager (--vllm-eager, no torch.compile): its figures are not vLLM's best")
     _write_outputs(opt("json"), lambda: report, opt("plot"), lambda path: plot_concurrency(report, path))
     # another engine's outputs are compared for agreement (shown), not required to match (see vllm_runner)
-    mismatched = sum(r["outputs"] - r["identical_to_plain_serial"] for r in report["rows"] if r["method"] not in external)
-    if PLAIN_SERIAL not in methods:
-        mismatched = 0  # nothing to compare with
+    # rows without a plain-serial pass to compare with hold None
+    mismatched = sum(r["outputs"] - r["identical_to_plain_serial"] for r in report["rows"]
+                     if r["method"] not in external and r["identical_to_plain_serial"] is not None)
     return EXIT_MISMATCH if mismatched else EXIT_OK
 
 

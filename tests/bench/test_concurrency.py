@@ -169,3 +169,20 @@ def test_the_config_files_source_deadline_reaches_every_decoder_the_bench_builds
         args.model = target
         assert run(args) == 0
     assert len(built) >= 4 and set(built) == {want}
+
+
+def test_without_plain_serial_outputs_are_not_compared_rather_than_shown_as_none_identical(tmp_path, capsys):
+    """`--methods plain,draftmesh` runs no reference: the report said 0/N identical, which reads as every
+    output wrong. Now the JSON holds null and the "same" column "-", and the run still exits 0."""
+    target = tiny_target("llama", vocab_size=64, dtype=__import__("torch").float32)
+    out_json = tmp_path / "c.json"
+    args = parse(["--workload", str(workload_file(tmp_path, n=3, max_new_tokens=6)), "--concurrency", "2",
+                  "--methods", "plain,draftmesh", "--repeats", "1", "--threads", "1", "--json", str(out_json),
+                  "--prefill-probe-tokens", "0", "--no-cost-curve", "--no-progress"])
+    args.model = target
+    assert run(args) == 0
+    rows = json.loads(out_json.read_text())["rows"]
+    assert {r["method"] for r in rows} == {"plain", "draftmesh"}
+    assert all(r["identical_to_plain_serial"] is None and r["outputs"] == 3 for r in rows)
+    table = [line for line in capsys.readouterr().out.splitlines() if line.strip().startswith("2 ")]
+    assert len(table) == 2 and all(line.rstrip().endswith("-/3") for line in table), table
