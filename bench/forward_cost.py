@@ -20,7 +20,7 @@ import time
 
 from draftmesh import compute, packed_linear
 from draftmesh.backend import TorchTarget
-from draftmesh.batch_kv import RowInput
+from draftmesh.batch_kv import RowInput, SlotKVCache
 
 ROUTINGS = ("F.linear", "packed", "direct")
 
@@ -35,13 +35,22 @@ def load_unpacked(model: str) -> TorchTarget:
         packed_linear._kernel, packed_linear._looked = saved
 
 
+def primed_cache(target: TorchTarget, forward, rows: int, context: int, room: int) -> SlotKVCache:
+    """A slab of ``rows`` rows, each holding ``context`` cached tokens (prefilled through ``forward``),
+    with room for ``room`` more a row."""
+    kv = target.new_batch_cache(max_bytes=1 << 40)
+    kv.ensure(rows, context + room)
+    for _ in range(rows):
+        kv.add_row()
+    v = target.vocab_size
+    forward(target, kv, [RowInput.chain(r, [(100 + 7 * r + i) % v for i in range(context)]) for r in range(rows)])
+    return kv
+
+
 def one_token_ms(target: TorchTarget, forward, repeats: int = 12, context: int = 128) -> float:
     """Median ms of a batch-1 one-token forward (logits included) through ``forward``."""
-    kv = target.new_batch_cache(max_bytes=1 << 40)
-    kv.ensure(1, context + 2)
-    kv.add_row()
+    kv = primed_cache(target, forward, 1, context, room=2)
     v = target.vocab_size
-    forward(target, kv, [RowInput.chain(0, [(100 + i) % v for i in range(context)])])
     times = []
     for i in range(repeats):
         t0 = time.perf_counter()
@@ -97,13 +106,8 @@ def shape_probe(target: TorchTarget, rounds: int, context: int = 150) -> dict[st
     the shapes interleaved, their order reversed every other round."""
     forward = TorchTarget.forward_batch.__wrapped__  # the forward itself (called on the compute thread)
     rows = max(len(s) for s in SHAPES.values())
-    kv = target.new_batch_cache(max_bytes=1 << 40)
-    kv.ensure(rows, context + 2 * max(abs(n) for s in SHAPES.values() for n in s))
-    for row in range(rows):
-        kv.add_row()
+    kv = primed_cache(target, forward, rows, context, room=max(abs(n) for s in SHAPES.values() for n in s))
     v = target.vocab_size
-    forward(target, kv, [RowInput.chain(r, [(100 + 7 * r + i) % v for i in range(context)], logits_from=context)
-                         for r in range(rows)])
     names = list(SHAPES)
     times: dict[str, list[float]] = {n: [] for n in names}
 

@@ -221,7 +221,6 @@ class SourcesConfig:
         return self.deadline_ms / 1000 if self.deadline_ms else None
 
 
-
 @dataclass(frozen=True)
 class BuilderConfig:
     """The cost-aware token-tree builder (``draftmesh.verify.tree_builder``)."""

@@ -3,6 +3,7 @@ eight rows, as one row's chain and as one row's tree, each a valid forward of th
 
 from __future__ import annotations
 
+import pytest
 from tiny_models import tiny_target
 
 from draftmesh.bench.forward_cost import SHAPES, TREE_PARENTS, shape_inputs, shape_probe
@@ -26,8 +27,6 @@ def test_the_probe_times_every_shape_on_a_real_batched_forward():
 
 
 def test_bad_shape_contexts_are_a_usage_error_before_any_model_loads(capsys):
-    import pytest
-
     from draftmesh.bench.forward_cost import main
 
     for bad in ("x", "150,0", ""):
