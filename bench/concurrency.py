@@ -243,10 +243,7 @@ def run_concurrency(target, items: Sequence[PreparedItem], levels: Sequence[int]
     methods whose whole pass another engine runs, ``run(items, concurrency) -> PassResult`` (vLLM)."""
     loads = loads or {}
     external = dict(external or {})
-    if not target.cost_curve:
-        target.measure_cost_curve()
-    if not target.batch_cost:
-        target.measure_batch_cost()
+    target.ensure_costs()
     runs: dict[tuple[str, int], list[PassResult]] = {}
     for rep in range(repeats):
         for c in levels:
@@ -298,6 +295,7 @@ def run_concurrency(target, items: Sequence[PreparedItem], levels: Sequence[int]
                            "batch_cost": {str(r): {str(k): round(v, 3) for k, v in c.items()}
                                           for r, c in target.batch_cost.items()},
                            "cost_curve": {str(k): round(v, 3) for k, v in target.cost_curve.items()},
+                           "key_cost": target.key_cost,
                            "same_run_ratios": {f"{a} / {b}": {str(c): {"ratio": round(v["ratio"], 3),
                                                                         "runs": [round(x, 3) for x in v["runs"]]}
                                                                 for c, v in per_c.items()}

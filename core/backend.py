@@ -34,6 +34,10 @@ from draftmesh.tree import TokenTree
 COST_CURVE_SIZES = (1, 2, 4, 8, 16, 32, 64)
 BATCH_COST_ROWS = (2, 4, 8, 16)
 BATCH_COST_TOKENS_PER_ROW = (1, 2, 4, 8)
+COST_CONTEXT = 128
+"""Cached tokens per row at which the cost curve and the batch table are measured."""
+KEY_COST_CONTEXT = 512
+"""The longer cache at which ``measure_key_cost`` times the same forward again."""
 
 
 class ForwardInterrupted(Exception):
@@ -88,6 +92,9 @@ class TorchTarget:
         self.step_seconds: float | None = None
         self.batch_step_seconds: float | None = None
         """The batch-1 one-token step of the last ``measure_batch_cost`` (its tables' unit)."""
+        self.key_cost: float | None = None
+        """What each token of a forward costs per cached key of its row beyond ``COST_CONTEXT``, in
+        batch-1 one-token steps (``measure_key_cost``); None: not measured yet."""
         use_batched_attention(model)
         self.packed_linears = use_packed_linears(model)
         """How many linears run the packed kernel (0: F.linear everywhere; see ``draftmesh.packed_linear``)."""
@@ -255,10 +262,20 @@ class TorchTarget:
         state.length = new_len
 
     # ------------------------------------------------------------------ cost curve
+    def ensure_costs(self) -> None:
+        """What the budget weighs, each measured once per target: the batch-1 cost curve, the
+        batched table, and what a row's longer cache adds to them."""
+        if not self.cost_curve:
+            self.measure_cost_curve()
+        if not self.batch_cost:
+            self.measure_batch_cost()
+        if self.key_cost is None:
+            self.measure_key_cost()
+
     @on_compute_thread
     @torch.inference_mode()
     def measure_cost_curve(
-        self, sizes: Sequence[int] = COST_CURVE_SIZES, context: int = 128, repeats: int = 5
+        self, sizes: Sequence[int] = COST_CURVE_SIZES, context: int = COST_CONTEXT, repeats: int = 5
     ) -> dict[int, float]:
         """Time of one forward over k positions (root + k-1 chain nodes) relative to k = 1.
 
@@ -292,7 +309,7 @@ class TorchTarget:
     @torch.inference_mode()
     def measure_batch_cost(
         self, rows: Sequence[int] = BATCH_COST_ROWS, per_row: Sequence[int] = BATCH_COST_TOKENS_PER_ROW,
-        context: int = 128, repeats: int = 3,
+        context: int = COST_CONTEXT, repeats: int = 3,
     ) -> dict[int, dict[int, float]]:
         """Time of one batched forward over ``r`` rows of ``k`` tokens each (a root and a chain),
         relative to a batch-1 one-token step timed in the same rounds (interleaved, medians).
@@ -325,3 +342,51 @@ class TorchTarget:
             table.setdefault(r, {})[r * k] = statistics.median(timings[(r, k)]) / unit
         self.batch_cost = table
         return table
+
+    @on_compute_thread
+    @torch.inference_mode()
+    def measure_key_cost(self, long_context: int = KEY_COST_CONTEXT, rows: int = 2, per_row: int = 8,
+                         repeats: int = 7) -> float:
+        """What a forward's token costs per cached key of its row beyond ``COST_CONTEXT``, in batch-1
+        one-token steps at ``COST_CONTEXT`` (stored as ``key_cost``; 0 where the model's context
+        is too short to tell).
+
+        The tables above are measured at ``COST_CONTEXT`` cached tokens a row, but attention reads
+        every cached key of its row for every token: measured on a 2-core box (SmolLM2-135M fp32),
+        a tree token cost ~1.3, 2.0 and 3.3 ms at 150, 600 and 1200 cached tokens. The same
+        ``rows`` x ``per_row`` forward is timed over the same rows cut to ``COST_CONTEXT`` and to
+        ``long_context`` keys (interleaved with the unit, medians), and the difference is spread
+        over its tokens and extra keys: the budget's price of a row's tree grows with its cache
+        by that slope."""
+        context = COST_CONTEXT
+        long_context = min(long_context, self.max_context - per_row - 1)
+        if long_context < 2 * context:
+            self.key_cost = 0.0
+            return 0.0
+        gen = torch.Generator().manual_seed(2)
+        prompt = torch.randint(0, self.vocab_size, (long_context + per_row,), generator=gen).tolist()
+        kv = self.new_batch_cache(max_bytes=1 << 40)
+        kv.ensure(rows, long_context + per_row + 1)
+        for _ in range(rows):
+            kv.add_row()
+        for start in range(0, long_context, 256):  # one row prefilled in chunks; what the keys hold does not matter
+            self.forward_batch(kv, [RowInput.chain(0, prompt[start : min(start + 256, long_context)])])
+        for store in (kv.keys, kv.values):
+            for layer in store:
+                layer[1:rows] = layer[0]
+        shapes = {"unit": (1, 1, context), "short": (rows, per_row, context), "long": (rows, per_row, long_context)}
+        timings: dict[str, list[float]] = {name: [] for name in shapes}
+        for rep in range(repeats + 1):
+            for name, (r, k, cached) in shapes.items():
+                for i in range(r):
+                    kv.commit(i, cached, [])
+                inputs = [RowInput.chain(i, prompt[long_context : long_context + k], logits_from=0) for i in range(r)]
+                t0 = time.perf_counter()
+                self.forward_batch(kv, inputs)
+                elapsed = time.perf_counter() - t0
+                if rep:
+                    timings[name].append(elapsed)
+        med = {name: statistics.median(v) for name, v in timings.items()}
+        extra = (med["long"] - med["short"]) / med["unit"]
+        self.key_cost = max(0.0, extra / (rows * per_row * (long_context - context)))
+        return self.key_cost

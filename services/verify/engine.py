@@ -56,10 +56,8 @@ def build_decoder(
     if rag_budget_bytes is not None and "rag" in names:
         options["rag"] = {"budget_bytes": rag_budget_bytes, **options.get("rag", {})}
     built = [registry.create(name, env, **dict(options.get(name, {}))) for name in names] + list(extra_sources)
-    if built and not target.cost_curve:
-        target.measure_cost_curve()
-    if built and not target.batch_cost:
-        target.measure_batch_cost()
+    if built:
+        target.ensure_costs()
     config = builder_config or BuilderConfig()
     if max_nodes is not None:
         config = dataclasses.replace(config, max_nodes=max_nodes)

@@ -101,3 +101,31 @@ def test_cost_curve_is_relative_to_a_single_token_step(tiny):
     assert curve[1] == 1.0
     assert all(v > 0 for v in curve.values())
     assert tiny.step_seconds and tiny.step_seconds > 0
+
+
+def test_a_rows_longer_cache_is_measured_as_a_cost_per_token_and_key():
+    """Where attention dominates (a small model of wide heads, 2048 cached keys against 128), the
+    same forward over the longer cache costs more, and the slope is what the budget prices a row's
+    tokens by; a model whose context cannot hold the longer cache is not measured (0)."""
+    from tiny_models import tiny_target
+
+    wide = tiny_target(dtype=torch.float32, hidden_size=256, intermediate_size=64, num_attention_heads=4,
+                       num_key_value_heads=4, max_position_embeddings=4096)
+    slope = wide.measure_key_cost(long_context=2048, repeats=5)
+    assert slope == wide.key_cost and slope > 0
+    short = tiny_target()  # 256 positions
+    assert short.measure_key_cost() == 0.0 and short.key_cost == 0.0
+
+
+def test_the_budgets_costs_are_measured_once_per_target(monkeypatch):
+    from tiny_models import tiny_target
+
+    tiny = tiny_target()  # its own: the session's tiny targets keep no measured costs
+    calls = []
+    for name in ("measure_cost_curve", "measure_batch_cost", "measure_key_cost"):
+        real = getattr(tiny, name)
+        monkeypatch.setattr(tiny, name, lambda *a, _real=real, _name=name, **k: (calls.append(_name), _real(*a, **k))[1])
+    tiny.ensure_costs()
+    tiny.ensure_costs()
+    assert sorted(calls) == ["measure_batch_cost", "measure_cost_curve", "measure_key_cost"]
+    assert tiny.cost_curve and tiny.batch_cost and tiny.key_cost == 0.0
