@@ -179,15 +179,18 @@ class TreeCostCorrection:
         entry = _nearest(self.plain, rows)
         return entry[0] / entry[1] if entry and entry[1] > 0 else 1.0
 
-    def record(self, cost, rows: int, base_tokens: int, tokens: int, forward_s: float) -> None:
+    def record(self, cost, rows: int, base_tokens: int, tokens: int, forward_s: float, *,
+               base_keys: float = 0.0, tree_keys: float = 0.0) -> None:
+        """``base_keys`` and ``tree_keys``: what the forward's other tokens and its tree tokens cost
+        beyond the table for their rows' caches (``key_price``), in the same units."""
         if self.unit_s is None or rows < 1:
             return
         measured = forward_s / self.unit_s
-        plain = cost(rows, base_tokens)
+        plain = cost(rows, base_tokens) + base_keys
         if tokens <= base_tokens:
             self._add(self.plain, rows, measured, plain)
             return
-        extra = cost(rows, tokens) - plain
+        extra = cost(rows, tokens) - cost(rows, base_tokens) + tree_keys
         if extra <= 0:
             return
         scale = self.scale(rows)
@@ -201,10 +204,18 @@ class TreeCostCorrection:
         return min(hi, max(lo, (entry[0] + self.prior) / (entry[1] + self.prior)))
 
 
+def key_price(key_cost: float | None, cache_len: int, context: int) -> float:
+    """What one token of a row with ``cache_len`` cached tokens costs beyond the table, which was
+    measured at ``context`` (``TorchTarget.key_cost``: per token and cached key). Shorter caches
+    are priced as the table's: the attention they save is small beside the weights, and a
+    negative price would let a noisy slope make a tree look free."""
+    return key_cost * max(0, cache_len - context) if key_cost else 0.0
+
+
 def choose_nodes(
     candidates: Sequence[ScoredTree | None], cost: Callable[[int, int], float], *, rows: int, base_tokens: int, min_gain: float,
     max_tokens: int | None = None, overhead: float = 0.0, tree_factor: float = 1.0, prefill_tokens: int = 0,
-    decoding_rows: int | None = None,
+    decoding_rows: int | None = None, node_prices: Sequence[float] | None = None, base_keys: float = 0.0,
 ) -> list[list[int]]:
     """The nodes to verify, per candidate, for the whole batch's forward.
 
@@ -230,25 +241,41 @@ def choose_nodes(
     price * what they add to the real forward``: a node is kept when it is worth its tokens' time
     at the rate the batch decodes at (a Dinkelbach step for the batch's tokens per unit of time,
     the prefill being the same work whatever the trees). Without prefill both rules are the same.
+
+    Rows with long caches: ``node_prices[c]`` is what each node of candidate ``c`` costs beyond
+    the table (``key_price`` of its row's cache), ``base_keys`` the same for the step's roots.
+    Nodes then compete by score per unit of their cost (the table's mean price of a tree token at
+    this batch, plus their row's), so a short row's node is bought before a long row's of the same
+    score; within a request the order stays by score, so every prefix is still ancestor-closed.
+    With no prices (caches at most the table's length) this is the order by score.
     """
+    d_rows = rows if decoding_rows is None else decoding_rows
+    d_base = base_tokens - prefill_tokens
+    prices = list(node_prices) if node_prices is not None else [0.0] * len(candidates)
     pool = []
     for c, cand in enumerate(candidates):
         if cand is None:
             continue
         order = sorted(range(len(cand.scores)), key=lambda i: (-cand.scores[i], i))[: cand.cap]
         pool.extend((cand.scores[i], c, i) for i in order)
-    pool.sort(key=lambda x: (-x[0], x[1], x[2]))
-    if max_tokens is not None:
-        pool = pool[: max(0, max_tokens - base_tokens)]
+    room = len(pool) if max_tokens is None else max(0, min(len(pool), max_tokens - base_tokens))
+    if any(prices) and room and d_rows >= 1:
+        n = room
+        table_price = max((cost(d_rows, d_base + n) - cost(d_rows, max(d_base, d_rows))) / n, 1e-6)
+        pool.sort(key=lambda x: (-x[0] / (table_price + prices[x[1]]), x[1], -x[0], x[2]))
+    else:
+        pool.sort(key=lambda x: (-x[0], x[1], x[2]))
+    pool = pool[:room]
     keep: list[list[int]] = [[] for _ in candidates]
+    added = [0.0]  # what the first k nodes' rows' caches add to the table's price of them
+    for _, c, _ in pool:
+        added.append(added[-1] + prices[c])
 
     def forward(r: int, base: int, k: int) -> float:
         plain = cost(r, base)
-        return plain if k == 0 else plain + tree_factor * (cost(r, base + k) - plain)
+        return plain + base_keys if k == 0 else plain + base_keys + tree_factor * (cost(r, base + k) - plain + added[k])
 
     # the ratio rule, over the decoding rows and what the step holds besides its prefill chunks
-    d_rows = rows if decoding_rows is None else decoding_rows
-    d_base = base_tokens - prefill_tokens
     if d_rows < 1 or d_base < d_rows:
         return keep
     plain = d_rows / (forward(d_rows, d_base, 0) + overhead)

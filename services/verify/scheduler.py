@@ -32,10 +32,11 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from draftmesh import compute
-from draftmesh.backend import ForwardInterrupted, KVState
+from draftmesh.backend import COST_CONTEXT, ForwardInterrupted, KVState
 from draftmesh.batch_kv import SlotKVCache
 from draftmesh.io_struct import GenerationRequest, GenerationResult, StepEvent
-from draftmesh.verify.budget import BatchCost, CostModel, ScoredTree, StepOverhead, TreeCostCorrection, choose_nodes
+from draftmesh.verify.budget import (BatchCost, CostModel, ScoredTree, StepOverhead, TreeCostCorrection, choose_nodes,
+                                     key_price)
 from draftmesh.verify.request_run import RequestRun, StepPlan
 
 log = logging.getLogger(__name__)
@@ -250,15 +251,20 @@ class BatchScheduler:
             else:
                 base_tokens += len(run.plan.tree)
         kept = 0
+        price = {id(t): self._key_price(t) for t in stepping}  # per token, for its row's cache
+        tree_keys = 0.0
         if candidates:
             keep = choose_nodes(candidates, self._batch_cost(), rows=len(stepping), base_tokens=base_tokens,
                                 min_gain=decoder.builder.config.min_gain, max_tokens=limits.max_batch_tokens,
                                 overhead=self._step_overhead()(len(stepping)),
                                 tree_factor=self._tree_correction().factor(len(stepping)),
                                 prefill_tokens=sum(len(t.run.plan.chunk) for t in stepping),
-                                decoding_rows=sum(1 for t in stepping if t.run.plan.decode))
+                                decoding_rows=sum(1 for t in stepping if t.run.plan.decode),
+                                node_prices=[price[id(t)] for t in drafted],
+                                base_keys=sum(price[id(t)] * (1 + len(t.run.plan.tree)) for t in stepping if t.run.plan.decode))
             for t, cand, k in zip(drafted, candidates, keep):
                 t.run.plan.tree = cand.select(k)
+                tree_keys += price[id(t)] * len(k)
             kept = sum(len(k) for k in keep)
         if not stepping:
             return False
@@ -315,7 +321,9 @@ class BatchScheduler:
         step_s = time.perf_counter() - t_step
         st.step_s_total += step_s
         self._step_overhead().record(step_s, verify_s, len(inputs), steady=steady)
-        self._tree_correction().record(self._batch_cost(), len(inputs), tokens - kept, tokens, verify_s)
+        self._tree_correction().record(self._batch_cost(), len(inputs), tokens - kept, tokens, verify_s,
+                                       base_keys=sum(price[id(t)] * len(i.tokens) for t, i in zip(stepping, inputs)) - tree_keys,
+                                       tree_keys=tree_keys)
         if self.observer is not None:
             self.observer.batch(rows=len(inputs), tokens=tokens, queued=len(self._waiting),
                                 kv_bytes=self.kv.allocated_bytes, speculating=speculating)
@@ -421,6 +429,13 @@ class BatchScheduler:
                 if t.run.row == moved:
                     t.run.row = row
                     break
+
+    def _key_price(self, ticket: Ticket) -> float:
+        """What each token of the ticket's row costs this step beyond the budget's table, for the
+        keys its row's cache holds past the table's (``TorchTarget.key_cost``)."""
+        plan = ticket.run.plan
+        cached = self.kv.lengths[ticket.run.row] + (len(plan.chunk) if plan is not None else 0)
+        return key_price(getattr(self.decoder.target, "key_cost", None), cached, COST_CONTEXT)
 
     def _step_overhead(self) -> StepOverhead:
         """The steps' time outside the forward, in the budget's unit (a batch-1 one-token forward,

@@ -449,6 +449,52 @@ def test_the_batch_budget_is_told_which_of_the_steps_tokens_are_prompt_chunks(ti
     assert all(kw["prefill_tokens"] == 0 and kw["decoding_rows"] == kw["rows"] for kw in given[1:])
 
 
+def test_the_batch_budget_prices_each_rows_tokens_by_its_cache(tiny, monkeypatch):
+    """A row whose cache is longer than the budget's table was measured at (``COST_CONTEXT``) gets a
+    price per token from the target's measured slope, the short row none; the forward's timing is
+    recorded with the same prices; outputs stay each request's own plain greedy."""
+    import draftmesh.verify.scheduler as scheduler_module
+    from draftmesh.backend import COST_CONTEXT
+    from draftmesh.verify.budget import TreeCostCorrection
+
+    monkeypatch.setattr(tiny, "key_cost", 0.002)
+    monkeypatch.setattr(tiny, "batch_step_seconds", 1e-3)
+    given, recorded = [], []
+
+    def choosing(candidates, cost, **kwargs):
+        given.append(kwargs)
+        return choose_nodes(candidates, cost, **kwargs)
+
+    real_record = TreeCostCorrection.record
+
+    def recording(self, *args, **kwargs):
+        recorded.append(kwargs)
+        return real_record(self, *args, **kwargs)
+
+    monkeypatch.setattr(scheduler_module, "choose_nodes", choosing)
+    monkeypatch.setattr(TreeCostCorrection, "record", recording)
+    rng = random.Random(11)
+    script = PerRequestScript(tiny.vocab_size, seed=11)
+    decoder = SpeculativeDecoder(tiny, [script], CostAwareTreeBuilder({1: 1.0, 2: 1.05, 8: 1.1, 64: 2.0}))
+    prompts = {"long": random_prompt(rng, tiny.vocab_size, COST_CONTEXT + 40, COST_CONTEXT + 40),
+               "short": random_prompt(rng, tiny.vocab_size, 10, 10)}
+    schedule, want = [], {}
+    for i, (name, prompt) in enumerate(prompts.items()):
+        new = 12 if name == "long" else 60  # the short one still decodes once the long one's prompt is in
+        want[i] = reference_greedy(tiny, prompt, new)
+        script.truth[name] = want[i]
+        schedule.append((0, GenerationRequest(prompt, max_new_tokens=new, request_id=name), None))
+    results, _ = drive(decoder, schedule)
+    assert {i: tuple(r.token_ids) for i, r in results.items()} == {i: tuple(w) for i, w in want.items()}
+    both = [kw for kw in given if len(kw["node_prices"]) == 2]
+    assert both
+    for kw in both:  # the long row's: 0.002 per token and key past the table; the short row's none
+        short_price, long_price = sorted(kw["node_prices"])
+        assert long_price >= 0.002 * 39 and short_price == 0.0  # its cache: the prompt but its last token
+        assert kw["base_keys"] >= long_price
+    assert any(kw["tree_keys"] > 0 for kw in recorded) and any(kw["base_keys"] > 0 for kw in recorded)
+
+
 class _LateSource:
     """Answers nothing, always after the step's deadline."""
 

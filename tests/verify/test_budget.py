@@ -7,7 +7,8 @@ import random
 import pytest
 
 from draftmesh.tree import DraftSequence, TokenTree
-from draftmesh.verify.budget import BatchCost, CostModel, ScoredTree, StepOverhead, TreeCostCorrection, choose_nodes
+from draftmesh.verify.budget import (BatchCost, CostModel, ScoredTree, StepOverhead, TreeCostCorrection, choose_nodes,
+                                     key_price)
 from draftmesh.verify.tree_builder import CostAwareTreeBuilder
 
 CURVE = {1: 1.0, 2: 1.1, 4: 1.4, 8: 1.8, 16: 2.1, 32: 2.6, 64: 3.7}
@@ -192,3 +193,57 @@ def test_with_prefill_the_kept_nodes_are_worth_their_time_at_the_batchs_decoding
         net = [sum(scores[:k]) - price * (forward(rows + 1, rows + prefill, k) - forward(rows + 1, rows + prefill, 0))
                for k in range(len(scores) + 1)]
         assert net[len(kept)] == pytest.approx(max(net))
+
+
+def test_a_rows_cache_beyond_the_tables_prices_its_tokens_by_the_measured_slope():
+    assert key_price(None, 5000, 128) == 0.0  # not measured
+    assert key_price(0.0, 5000, 128) == 0.0  # flat or not measurable
+    assert key_price(1e-4, 100, 128) == 0.0  # shorter than the table's: the table's own price
+    assert key_price(1e-4, 1128, 128) == pytest.approx(0.1)
+
+
+def _chain_candidate(n: int = 6, top: float = 0.9) -> ScoredTree:
+    chain = TokenTree.from_sequences([DraftSequence(tuple(range(1, n + 1)), "s")])
+    return ScoredTree(chain, [top ** (i + 1) for i in range(n)], [{} for _ in range(n)], 64)
+
+
+def test_of_two_equal_trees_the_budget_buys_the_short_rows_nodes_first():
+    """Two rows with the same candidates: priced alike the nodes alternate by score; when one row's
+    cache makes each of its tokens dear, the other row's nodes come first, fewer of the long row's
+    are kept, and each row's kept nodes are still a prefix of its chain (ancestor-closed)."""
+    table = BatchCost(CostModel({1: 1.0, 64: 1.0}), {2: {2: 1.0, 4: 1.1, 8: 1.3, 16: 1.7}})
+    same = choose_nodes([_chain_candidate(), _chain_candidate()], table, rows=2, base_tokens=2, min_gain=1.0)
+    assert same[0] == same[1] and same[0]
+    dear = choose_nodes([_chain_candidate(), _chain_candidate()], table, rows=2, base_tokens=2, min_gain=1.0,
+                        node_prices=[0.0, 0.2], base_keys=0.2)
+    assert len(dear[0]) >= len(same[0]) and len(dear[1]) < len(same[1])
+    for kept in dear:
+        assert kept == list(range(len(kept)))
+    # no prices: the order by score, exactly as before
+    assert choose_nodes([_chain_candidate(), _chain_candidate()], table, rows=2, base_tokens=2, min_gain=1.0,
+                        node_prices=[0.0, 0.0]) == same
+
+
+def test_at_batch_1_a_long_cache_shrinks_the_tree():
+    """Each node of a row with a long cache pays its keys too: fewer nodes pay for themselves."""
+    cost = BatchCost(CostModel(CURVE))
+    short = choose_nodes([_chain_candidate(12, 0.8)], cost, rows=1, base_tokens=1, min_gain=1.02)[0]
+    long = choose_nodes([_chain_candidate(12, 0.8)], cost, rows=1, base_tokens=1, min_gain=1.02,
+                        node_prices=[0.3], base_keys=0.3)[0]
+    assert 0 < len(long) < len(short)
+
+
+def test_tree_cost_correction_counts_the_rows_caches_as_the_budget_prices_them():
+    """Tree tokens that cost the table's price plus their rows' key price: given those prices, the
+    correction learns nothing is amiss (factor 1); not given them, it blames the trees."""
+    unit = 0.03
+    priced, blind = TreeCostCorrection(unit_s=unit, prior=0.5), TreeCostCorrection(unit_s=unit, prior=0.5)
+    base_keys, per_token = 0.4, 0.05  # 8 roots at 0.05 each beyond the table
+    for _ in range(200):
+        for corr, given in ((priced, True), (blind, False)):
+            plain_keys = dict(base_keys=base_keys) if given else {}
+            tree_keys = dict(base_keys=base_keys, tree_keys=12 * per_token) if given else {}
+            corr.record(_table, 8, 8, 8, unit * (1.0 + base_keys), **plain_keys)
+            corr.record(_table, 8, 8, 20, unit * (1.0 + base_keys + 12 * (0.05 + per_token)), **tree_keys)
+    assert priced.scale(8) == pytest.approx(1.0) and priced.factor(8) == pytest.approx(1.0, rel=0.02)
+    assert blind.factor(8) > 1.3
