@@ -295,7 +295,7 @@ def run_concurrency(target, items: Sequence[PreparedItem], levels: Sequence[int]
                            "batch_cost": {str(r): {str(k): round(v, 3) for k, v in c.items()}
                                           for r, c in target.batch_cost.items()},
                            "cost_curve": {str(k): round(v, 3) for k, v in target.cost_curve.items()},
-                           "key_cost": target.key_cost,
+                           "key_cost": dataclasses.asdict(target.key_cost) if target.key_cost else None,
                            "same_run_ratios": {f"{a} / {b}": {str(c): {"ratio": round(v["ratio"], 3),
                                                                         "runs": [round(x, 3) for x in v["runs"]]}
                                                                 for c, v in per_c.items()}

@@ -36,8 +36,18 @@ BATCH_COST_ROWS = (2, 4, 8, 16)
 BATCH_COST_TOKENS_PER_ROW = (1, 2, 4, 8)
 COST_CONTEXT = 128
 """Cached tokens per row at which the cost curve and the batch table are measured."""
-KEY_COST_CONTEXT = 512
+KEY_COST_CONTEXT = 1024
 """The longer cache at which ``measure_key_cost`` times the same forward again."""
+
+
+@dataclass(frozen=True)
+class KeyCost:
+    """What a forward's tokens cost per cached key of their row beyond ``COST_CONTEXT``, in
+    batch-1 one-token steps: the row's first token (it brings the row's keys in) and each further
+    token of the same row (a tree node: the keys are in cache by then)."""
+
+    row: float
+    token: float
 
 
 class ForwardInterrupted(Exception):
@@ -92,9 +102,9 @@ class TorchTarget:
         self.step_seconds: float | None = None
         self.batch_step_seconds: float | None = None
         """The batch-1 one-token step of the last ``measure_batch_cost`` (its tables' unit)."""
-        self.key_cost: float | None = None
-        """What each token of a forward costs per cached key of its row beyond ``COST_CONTEXT``, in
-        batch-1 one-token steps (``measure_key_cost``); None: not measured yet."""
+        self.key_cost: KeyCost | None = None
+        """What a forward's tokens cost per cached key of their row beyond ``COST_CONTEXT``
+        (``measure_key_cost``); None: not measured yet."""
         use_batched_attention(model)
         self.packed_linears = use_packed_linears(model)
         """How many linears run the packed kernel (0: F.linear everywhere; see ``draftmesh.packed_linear``)."""
@@ -345,48 +355,46 @@ class TorchTarget:
 
     @on_compute_thread
     @torch.inference_mode()
-    def measure_key_cost(self, long_context: int = KEY_COST_CONTEXT, rows: int = 2, per_row: int = 8,
-                         repeats: int = 7) -> float:
-        """What a forward's token costs per cached key of its row beyond ``COST_CONTEXT``, in batch-1
-        one-token steps at ``COST_CONTEXT`` (stored as ``key_cost``; 0 where the model's context
-        is too short to tell).
+    def measure_key_cost(self, long_context: int = KEY_COST_CONTEXT, tokens: int = 16, repeats: int = 9) -> KeyCost:
+        """What a forward's tokens cost per cached key of their row beyond ``COST_CONTEXT``, in
+        batch-1 one-token steps at ``COST_CONTEXT`` (stored as ``key_cost``; zeros where the
+        model's context is too short to tell).
 
         The tables above are measured at ``COST_CONTEXT`` cached tokens a row, but attention reads
         every cached key of its row for every token: measured on a 2-core box (SmolLM2-135M fp32),
-        a tree token cost ~1.3, 2.0 and 3.3 ms at 150, 600 and 1200 cached tokens. The same
-        ``rows`` x ``per_row`` forward is timed over the same rows cut to ``COST_CONTEXT`` and to
-        ``long_context`` keys (interleaved with the unit, medians), and the difference is spread
-        over its tokens and extra keys: the budget's price of a row's tree grows with its cache
-        by that slope."""
+        a tree token cost ~1.3, 2.0 and 3.3 ms at 150, 600 and 1200 cached tokens. A row's first
+        token and its further ones differ: the first brings the row's keys in from memory, the
+        others find them in cache (one row's 16 tokens at 1000 keys: the first 1.1e-4 units a key,
+        each further one 3.5e-5). So one row is timed with 1 and with ``tokens`` tokens over its
+        cache cut to ``COST_CONTEXT`` and to ``long_context`` keys (interleaved, medians), and the
+        two slopes are kept: the budget prices a row's root by the first and each tree node by the
+        second."""
         context = COST_CONTEXT
-        long_context = min(long_context, self.max_context - per_row - 1)
+        long_context = min(long_context, self.max_context - tokens - 1)
         if long_context < 2 * context:
-            self.key_cost = 0.0
-            return 0.0
+            self.key_cost = KeyCost(0.0, 0.0)
+            return self.key_cost
         gen = torch.Generator().manual_seed(2)
-        prompt = torch.randint(0, self.vocab_size, (long_context + per_row,), generator=gen).tolist()
+        prompt = torch.randint(0, self.vocab_size, (long_context + tokens,), generator=gen).tolist()
         kv = self.new_batch_cache(max_bytes=1 << 40)
-        kv.ensure(rows, long_context + per_row + 1)
-        for _ in range(rows):
-            kv.add_row()
-        for start in range(0, long_context, 256):  # one row prefilled in chunks; what the keys hold does not matter
+        kv.ensure(1, long_context + tokens + 1)
+        kv.add_row()
+        for start in range(0, long_context, 256):  # in chunks, as the scheduler prefills
             self.forward_batch(kv, [RowInput.chain(0, prompt[start : min(start + 256, long_context)])])
-        for store in (kv.keys, kv.values):
-            for layer in store:
-                layer[1:rows] = layer[0]
-        shapes = {"unit": (1, 1, context), "short": (rows, per_row, context), "long": (rows, per_row, long_context)}
-        timings: dict[str, list[float]] = {name: [] for name in shapes}
+        shapes = [(cached, k) for cached in (context, long_context) for k in (1, tokens)]
+        timings: dict[tuple[int, int], list[float]] = {shape: [] for shape in shapes}
         for rep in range(repeats + 1):
-            for name, (r, k, cached) in shapes.items():
-                for i in range(r):
-                    kv.commit(i, cached, [])
-                inputs = [RowInput.chain(i, prompt[long_context : long_context + k], logits_from=0) for i in range(r)]
+            for cached, k in shapes:
+                kv.commit(0, cached, [])
+                row = RowInput.chain(0, prompt[long_context : long_context + k], logits_from=0)
                 t0 = time.perf_counter()
-                self.forward_batch(kv, inputs)
+                self.forward_batch(kv, [row])
                 elapsed = time.perf_counter() - t0
                 if rep:
-                    timings[name].append(elapsed)
-        med = {name: statistics.median(v) for name, v in timings.items()}
-        extra = (med["long"] - med["short"]) / med["unit"]
-        self.key_cost = max(0.0, extra / (rows * per_row * (long_context - context)))
+                    timings[(cached, k)].append(elapsed)
+        med = {shape: statistics.median(v) for shape, v in timings.items()}
+        unit, keys = med[(context, 1)], long_context - context
+        first = (med[(long_context, 1)] - med[(context, 1)]) / unit / keys
+        further = ((med[(long_context, tokens)] - med[(long_context, 1)]) - (med[(context, tokens)] - unit)) / unit
+        self.key_cost = KeyCost(row=max(0.0, first), token=max(0.0, further / ((tokens - 1) * keys)))
         return self.key_cost

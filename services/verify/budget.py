@@ -204,12 +204,12 @@ class TreeCostCorrection:
         return min(hi, max(lo, (entry[0] + self.prior) / (entry[1] + self.prior)))
 
 
-def key_price(key_cost: float | None, cache_len: int, context: int) -> float:
+def key_price(slope: float | None, cache_len: int, context: int) -> float:
     """What one token of a row with ``cache_len`` cached tokens costs beyond the table, which was
-    measured at ``context`` (``TorchTarget.key_cost``: per token and cached key). Shorter caches
-    are priced as the table's: the attention they save is small beside the weights, and a
+    measured at ``context`` (``slope``: per cached key, one of ``TorchTarget.key_cost``'s). Shorter
+    caches are priced as the table's: the attention they save is small beside the weights, and a
     negative price would let a noisy slope make a tree look free."""
-    return key_cost * max(0, cache_len - context) if key_cost else 0.0
+    return slope * max(0, cache_len - context) if slope else 0.0
 
 
 def choose_nodes(

@@ -251,7 +251,7 @@ class BatchScheduler:
             else:
                 base_tokens += len(run.plan.tree)
         kept = 0
-        price = {id(t): self._key_price(t) for t in stepping}  # per token, for its row's cache
+        price = {id(t): self._key_prices(t) for t in stepping}  # (its first token, each further one)
         tree_keys = 0.0
         if candidates:
             keep = choose_nodes(candidates, self._batch_cost(), rows=len(stepping), base_tokens=base_tokens,
@@ -260,11 +260,12 @@ class BatchScheduler:
                                 tree_factor=self._tree_correction().factor(len(stepping)),
                                 prefill_tokens=sum(len(t.run.plan.chunk) for t in stepping),
                                 decoding_rows=sum(1 for t in stepping if t.run.plan.decode),
-                                node_prices=[price[id(t)] for t in drafted],
-                                base_keys=sum(price[id(t)] * (1 + len(t.run.plan.tree)) for t in stepping if t.run.plan.decode))
+                                node_prices=[price[id(t)][1] for t in drafted],
+                                base_keys=sum(price[id(t)][0] + price[id(t)][1] * len(t.run.plan.tree)
+                                              for t in stepping if t.run.plan.decode))
             for t, cand, k in zip(drafted, candidates, keep):
                 t.run.plan.tree = cand.select(k)
-                tree_keys += price[id(t)] * len(k)
+                tree_keys += price[id(t)][1] * len(k)
             kept = sum(len(k) for k in keep)
         if not stepping:
             return False
@@ -322,7 +323,8 @@ class BatchScheduler:
         st.step_s_total += step_s
         self._step_overhead().record(step_s, verify_s, len(inputs), steady=steady)
         self._tree_correction().record(self._batch_cost(), len(inputs), tokens - kept, tokens, verify_s,
-                                       base_keys=sum(price[id(t)] * len(i.tokens) for t, i in zip(stepping, inputs)) - tree_keys,
+                                       base_keys=sum(price[id(t)][0] + price[id(t)][1] * (len(i.tokens) - 1)
+                                                     for t, i in zip(stepping, inputs)) - tree_keys,
                                        tree_keys=tree_keys)
         if self.observer is not None:
             self.observer.batch(rows=len(inputs), tokens=tokens, queued=len(self._waiting),
@@ -430,12 +432,15 @@ class BatchScheduler:
                     t.run.row = row
                     break
 
-    def _key_price(self, ticket: Ticket) -> float:
-        """What each token of the ticket's row costs this step beyond the budget's table, for the
-        keys its row's cache holds past the table's (``TorchTarget.key_cost``)."""
+    def _key_prices(self, ticket: Ticket) -> tuple[float, float]:
+        """What the ticket's row's first token and each further one cost this step beyond the
+        budget's table, for the keys its cache holds past the table's (``TorchTarget.key_cost``)."""
         plan = ticket.run.plan
         cached = self.kv.lengths[ticket.run.row] + (len(plan.chunk) if plan is not None else 0)
-        return key_price(getattr(self.decoder.target, "key_cost", None), cached, COST_CONTEXT)
+        slopes = getattr(self.decoder.target, "key_cost", None)
+        if slopes is None:
+            return 0.0, 0.0
+        return key_price(slopes.row, cached, COST_CONTEXT), key_price(slopes.token, cached, COST_CONTEXT)
 
     def _step_overhead(self) -> StepOverhead:
         """The steps' time outside the forward, in the budget's unit (a batch-1 one-token forward,

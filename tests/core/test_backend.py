@@ -105,16 +105,19 @@ def test_cost_curve_is_relative_to_a_single_token_step(tiny):
 
 def test_a_rows_longer_cache_is_measured_as_a_cost_per_token_and_key():
     """Where attention dominates (a small model of wide heads, 2048 cached keys against 128), the
-    same forward over the longer cache costs more, and the slope is what the budget prices a row's
-    tokens by; a model whose context cannot hold the longer cache is not measured (0)."""
+    same forwards over the longer cache cost more: the row's first token and its further ones each
+    get a slope, what the budget prices a row's root and its tree nodes by; a model whose context
+    cannot hold the longer cache is not measured (zeros)."""
     from tiny_models import tiny_target
+
+    from draftmesh.backend import KeyCost
 
     wide = tiny_target(dtype=torch.float32, hidden_size=256, intermediate_size=64, num_attention_heads=4,
                        num_key_value_heads=4, max_position_embeddings=4096)
-    slope = wide.measure_key_cost(long_context=2048, repeats=5)
-    assert slope == wide.key_cost and slope > 0
+    slopes = wide.measure_key_cost(long_context=2048, repeats=5)
+    assert slopes == wide.key_cost and slopes.row > 0 and slopes.token > 0
     short = tiny_target()  # 256 positions
-    assert short.measure_key_cost() == 0.0 and short.key_cost == 0.0
+    assert short.measure_key_cost() == KeyCost(0.0, 0.0) == short.key_cost
 
 
 def test_the_budgets_costs_are_measured_once_per_target(monkeypatch):
@@ -128,4 +131,4 @@ def test_the_budgets_costs_are_measured_once_per_target(monkeypatch):
     tiny.ensure_costs()
     tiny.ensure_costs()
     assert sorted(calls) == ["measure_batch_cost", "measure_cost_curve", "measure_key_cost"]
-    assert tiny.cost_curve and tiny.batch_cost and tiny.key_cost == 0.0
+    assert tiny.cost_curve and tiny.batch_cost and tiny.key_cost is not None

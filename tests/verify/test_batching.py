@@ -451,13 +451,13 @@ def test_the_batch_budget_is_told_which_of_the_steps_tokens_are_prompt_chunks(ti
 
 def test_the_batch_budget_prices_each_rows_tokens_by_its_cache(tiny, monkeypatch):
     """A row whose cache is longer than the budget's table was measured at (``COST_CONTEXT``) gets a
-    price per token from the target's measured slope, the short row none; the forward's timing is
+    price per node and for its root from the target's measured slopes, the short row none; the forward's timing is
     recorded with the same prices; outputs stay each request's own plain greedy."""
     import draftmesh.verify.scheduler as scheduler_module
-    from draftmesh.backend import COST_CONTEXT
+    from draftmesh.backend import COST_CONTEXT, KeyCost
     from draftmesh.verify.budget import TreeCostCorrection
 
-    monkeypatch.setattr(tiny, "key_cost", 0.002)
+    monkeypatch.setattr(tiny, "key_cost", KeyCost(row=0.004, token=0.002))
     monkeypatch.setattr(tiny, "batch_step_seconds", 1e-3)
     given, recorded = [], []
 
@@ -488,10 +488,10 @@ def test_the_batch_budget_prices_each_rows_tokens_by_its_cache(tiny, monkeypatch
     assert {i: tuple(r.token_ids) for i, r in results.items()} == {i: tuple(w) for i, w in want.items()}
     both = [kw for kw in given if len(kw["node_prices"]) == 2]
     assert both
-    for kw in both:  # the long row's: 0.002 per token and key past the table; the short row's none
+    for kw in both:  # the long row's: 0.002 a node per key past the table; the short row's none
         short_price, long_price = sorted(kw["node_prices"])
         assert long_price >= 0.002 * 39 and short_price == 0.0  # its cache: the prompt but its last token
-        assert kw["base_keys"] >= long_price
+        assert kw["base_keys"] >= 2 * long_price  # its root, at the first token's slope
     assert any(kw["tree_keys"] > 0 for kw in recorded) and any(kw["base_keys"] > 0 for kw in recorded)
 
 
