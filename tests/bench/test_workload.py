@@ -18,6 +18,7 @@ from draftmesh.bench.workload import (
 )
 
 PUBLIC = Path(__file__).resolve().parents[2] / "bench" / "public.jsonl"
+LONG = PUBLIC.with_name("long-context.jsonl")
 
 
 def line(**obj) -> str:
@@ -216,6 +217,14 @@ def test_public_workload_is_valid_and_covers_every_kind():
     assert all(i.corpus for i in items if i.kind == "rag")
     sessions = [i.session for i in items if i.session]
     assert any(sessions.count(s) >= 2 for s in sessions), "some session must hold several items"
+
+
+def test_long_context_workload_holds_long_prompts_of_mixed_lengths():
+    """What docs/bench.md says of it: 16 items, passages of ~400 to ~1600 tokens in four sizes."""
+    items = load_workload(LONG)
+    assert len(items) == 16 and all(i.kind == "long" and i.max_new_tokens == 48 for i in items)
+    sizes = sorted(len(_question(i)) for i in items)
+    assert sizes[0] > 500 and sizes[-1] > 5 * sizes[0]  # characters: long, and far from uniform
 
 
 def test_public_repeats_ask_an_earlier_question_again():
