@@ -179,10 +179,12 @@ class TreeCostCorrection:
         entry = _nearest(self.plain, rows)
         return entry[0] / entry[1] if entry and entry[1] > 0 else 1.0
 
-    def record(self, cost, rows: int, base_tokens: int, tokens: int, forward_s: float, *,
+    def record(self, cost, rows: int, base_tokens: float, tokens: float, forward_s: float, *,
                base_keys: float = 0.0, tree_keys: float = 0.0) -> None:
-        """``base_keys`` and ``tree_keys``: what the forward's other tokens and its tree tokens cost
-        beyond the table for their rows' caches (``key_price``), in the same units."""
+        """``base_tokens`` and ``tokens``: the forward's tokens without and with its trees, as the
+        table counts them (a prefill chunk's at ``choose_nodes``' ``chunk_price``). ``base_keys``
+        and ``tree_keys``: what its other tokens and its tree tokens cost beyond the table for
+        their rows' caches (``key_price``), in the same units."""
         if self.unit_s is None or rows < 1:
             return
         measured = forward_s / self.unit_s
@@ -216,6 +218,7 @@ def choose_nodes(
     candidates: Sequence[ScoredTree | None], cost: Callable[[int, int], float], *, rows: int, base_tokens: int, min_gain: float,
     max_tokens: int | None = None, overhead: float = 0.0, tree_factor: float = 1.0, prefill_tokens: int = 0,
     decoding_rows: int | None = None, node_prices: Sequence[float] | None = None, base_keys: float = 0.0,
+    chunk_price: float = 1.0,
 ) -> list[list[int]]:
     """The nodes to verify, per candidate, for the whole batch's forward.
 
@@ -248,6 +251,10 @@ def choose_nodes(
     this batch, plus their row's), so a short row's node is bought before a long row's of the same
     score; within a request the order stays by score, so every prefix is still ancestor-closed.
     With no prices (caches at most the table's length) this is the order by score.
+
+    ``chunk_price``: what a prefill chunk's token costs against one of the table's, all of whose
+    tokens have logits (``1 - TorchTarget.head_share``): the real forward is read off the table at
+    its chunks' tokens so discounted, which is where the trees' tokens land on the table's curve.
     """
     d_rows = rows if decoding_rows is None else decoding_rows
     d_base = base_tokens - prefill_tokens
@@ -260,8 +267,7 @@ def choose_nodes(
         pool.extend((cand.scores[i], c, i) for i in order)
     room = len(pool) if max_tokens is None else max(0, min(len(pool), max_tokens - base_tokens))
     if any(prices) and room and d_rows >= 1:
-        n = room
-        table_price = max((cost(d_rows, d_base + n) - cost(d_rows, max(d_base, d_rows))) / n, 1e-6)
+        table_price = max((cost(d_rows, d_base + room) - cost(d_rows, max(d_base, d_rows))) / room, 1e-6)
         pool.sort(key=lambda x: (-x[0] / (table_price + prices[x[1]]), x[1], -x[0], x[2]))
     else:
         pool.sort(key=lambda x: (-x[0], x[1], x[2]))
@@ -271,7 +277,7 @@ def choose_nodes(
     for _, c, _ in pool:
         added.append(added[-1] + prices[c])
 
-    def forward(r: int, base: int, k: int) -> float:
+    def forward(r: int, base: float, k: int) -> float:
         plain = cost(r, base)
         return plain + base_keys if k == 0 else plain + base_keys + tree_factor * (cost(r, base + k) - plain + added[k])
 
@@ -288,10 +294,11 @@ def choose_nodes(
     if best_rate < min_gain * plain:
         return keep
     if prefill_tokens > 0:  # the real forward's nodes, priced at the rate the batch decodes at
+        table_base = base_tokens - prefill_tokens * (1.0 - chunk_price)
         best_k, best_net, value = 0, 0.0, 0.0
         for k, (score, _, _) in enumerate(pool, start=1):
             value += score
-            net = value - best_rate * (forward(rows, base_tokens, k) - forward(rows, base_tokens, 0))
+            net = value - best_rate * (forward(rows, table_base, k) - forward(rows, table_base, 0))
             if net > best_net:
                 best_k, best_net = k, net
     for _, c, i in pool[:best_k]:

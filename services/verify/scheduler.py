@@ -252,13 +252,15 @@ class BatchScheduler:
                 base_tokens += len(run.plan.tree)
         kept = 0
         price = {id(t): self._key_prices(t) for t in stepping}  # (its first token, each further one)
+        chunk_tokens = sum(len(t.run.plan.chunk) for t in stepping)  # they have no logits: cheaper than the table's
+        chunk_price = self._chunk_price()
         tree_keys = 0.0
         if candidates:
             keep = choose_nodes(candidates, self._batch_cost(), rows=len(stepping), base_tokens=base_tokens,
                                 min_gain=decoder.builder.config.min_gain, max_tokens=limits.max_batch_tokens,
                                 overhead=self._step_overhead()(len(stepping)),
                                 tree_factor=self._tree_correction().factor(len(stepping)),
-                                prefill_tokens=sum(len(t.run.plan.chunk) for t in stepping),
+                                prefill_tokens=chunk_tokens, chunk_price=chunk_price,
                                 decoding_rows=sum(1 for t in stepping if t.run.plan.decode),
                                 node_prices=[price[id(t)][1] for t in drafted],
                                 base_keys=sum(price[id(t)][0] + price[id(t)][1] * len(t.run.plan.tree)
@@ -322,7 +324,8 @@ class BatchScheduler:
         step_s = time.perf_counter() - t_step
         st.step_s_total += step_s
         self._step_overhead().record(step_s, verify_s, len(inputs), steady=steady)
-        self._tree_correction().record(self._batch_cost(), len(inputs), tokens - kept, tokens, verify_s,
+        table_tokens = tokens - chunk_tokens * (1.0 - chunk_price)  # as the table counts them
+        self._tree_correction().record(self._batch_cost(), len(inputs), table_tokens - kept, table_tokens, verify_s,
                                        base_keys=sum(price[id(t)][0] + price[id(t)][1] * (len(i.tokens) - 1)
                                                      for t, i in zip(stepping, inputs)) - tree_keys,
                                        tree_keys=tree_keys)
@@ -441,6 +444,11 @@ class BatchScheduler:
         if slopes is None:
             return 0.0, 0.0
         return key_price(slopes.row, cached, COST_CONTEXT), key_price(slopes.token, cached, COST_CONTEXT)
+
+    def _chunk_price(self) -> float:
+        """A prefill chunk's token against one of the budget's table (which has logits for every
+        token): the chunk's never reach the output head (``TorchTarget.head_share``)."""
+        return 1.0 - getattr(self.decoder.target, "head_share", 0.0)
 
     def _step_overhead(self) -> StepOverhead:
         """The steps' time outside the forward, in the budget's unit (a batch-1 one-token forward,

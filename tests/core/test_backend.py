@@ -132,3 +132,19 @@ def test_the_budgets_costs_are_measured_once_per_target(monkeypatch):
     tiny.ensure_costs()
     assert sorted(calls) == ["measure_batch_cost", "measure_cost_curve", "measure_key_cost"]
     assert tiny.cost_curve and tiny.batch_cost and tiny.key_cost is not None
+
+
+def test_the_heads_share_of_a_tokens_work_counts_each_weight_matrix_once():
+    """A prefill chunk's tokens skip the output head; its share is the head's multiply-adds over a
+    token's, from the shapes: 3 layers of q, k, v, o (32x32, 16x32, 16x32, 32x32) and gate, up,
+    down (64x32 each), and a 64x32 head. Tied to the embeddings, the one matrix is the head's work."""
+    from tiny_models import tiny_target
+
+    layer = 32 * 32 + 16 * 32 + 16 * 32 + 32 * 32 + 3 * 64 * 32
+    head = 64 * 32
+    tiny = tiny_target(tie_word_embeddings=False)
+    assert tiny.model.get_output_embeddings().weight is not tiny.model.get_input_embeddings().weight
+    assert tiny.head_share == head / (3 * layer + head)  # the untied input embeddings: only looked up
+    tied = tiny_target(tie_word_embeddings=True)
+    assert tied.model.get_output_embeddings().weight is tied.model.get_input_embeddings().weight
+    assert tied.head_share == tiny.head_share

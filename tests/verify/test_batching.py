@@ -495,6 +495,58 @@ def test_the_batch_budget_prices_each_rows_tokens_by_its_cache(tiny, monkeypatch
     assert any(kw["tree_keys"] > 0 for kw in recorded) and any(kw["base_keys"] > 0 for kw in recorded)
 
 
+def test_a_prefill_chunks_tokens_are_priced_and_recorded_without_their_logits(tiny, monkeypatch):
+    """The budget's table was measured with logits at every token; a prefill chunk's tokens have
+    none. A long prompt prefilled in chunks beside a decoding request: the budget is told the chunk
+    price (1 - the target's ``head_share``), and every timed forward is recorded for the correction
+    with its chunks' tokens counted at that price; outputs stay each request's plain greedy."""
+    import draftmesh.verify.scheduler as scheduler_module
+    from draftmesh.verify.budget import TreeCostCorrection
+
+    monkeypatch.setattr(tiny, "head_share", 0.25)
+    monkeypatch.setattr(tiny, "batch_step_seconds", 1e-3)
+    given, recorded, forwards = [], [], []
+
+    def choosing(candidates, cost, **kwargs):
+        given.append(kwargs)
+        return choose_nodes(candidates, cost, **kwargs)
+
+    real_record, real_forward = TreeCostCorrection.record, tiny.forward_batch
+
+    def recording(self, cost, rows, base_tokens, tokens, forward_s, **kwargs):
+        recorded.append((rows, base_tokens, tokens))
+        return real_record(self, cost, rows, base_tokens, tokens, forward_s, **kwargs)
+
+    def forwarding(kv, inputs, **kwargs):
+        forwards.append([(len(i.tokens), i.logits_from) for i in inputs])
+        return real_forward(kv, inputs, **kwargs)
+
+    monkeypatch.setattr(scheduler_module, "choose_nodes", choosing)
+    monkeypatch.setattr(TreeCostCorrection, "record", recording)
+    monkeypatch.setattr(tiny, "forward_batch", forwarding)
+    rng = random.Random(12)
+    script = PerRequestScript(tiny.vocab_size, seed=12)
+    decoder = SpeculativeDecoder(tiny, [script], CostAwareTreeBuilder({1: 1.0, 2: 1.05, 8: 1.1, 64: 2.0}),
+                                 batch_limits=BatchLimits(prefill_chunk=16, prefill_while_decoding=8))
+    prompts = {"short": random_prompt(rng, tiny.vocab_size, 6, 6), "long": random_prompt(rng, tiny.vocab_size, 90, 90)}
+    schedule, want = [], {}
+    for i, (name, prompt) in enumerate(prompts.items()):
+        new = 40 if name == "short" else 6
+        want[i] = reference_greedy(tiny, prompt, new)
+        script.truth[name] = want[i]
+        schedule.append((0 if name == "short" else 2, GenerationRequest(prompt, max_new_tokens=new, request_id=name), None))
+    results, _ = drive(decoder, schedule)
+    assert {i: tuple(r.token_ids) for i, r in results.items()} == {i: tuple(w) for i, w in want.items()}
+    assert given and all(kw["chunk_price"] == 0.75 for kw in given)
+    assert len(recorded) == len(forwards)
+    chunked = 0
+    for (rows, _, tokens), shape in zip(recorded, forwards):
+        without_logits = sum(lf for _, lf in shape)  # a chunk's tokens (and a finishing chunk's root has logits)
+        assert rows == len(shape) and tokens == pytest.approx(sum(n for n, _ in shape) - 0.25 * without_logits)
+        chunked += without_logits > 0
+    assert chunked >= 5  # the long prompt went in over several steps beside the decoding row
+
+
 class _LateSource:
     """Answers nothing, always after the step's deadline."""
 

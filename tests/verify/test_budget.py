@@ -182,17 +182,36 @@ def test_with_prefill_the_kept_nodes_are_worth_their_time_at_the_batchs_decoding
         chain = TokenTree.from_sequences([DraftSequence(tuple(range(len(scores))), "s")])
         batch = BatchCost(CostModel(CURVE), {r: {r * k: CURVE[1] + 0.1 * r + 0.02 * r * k * k for k in (1, 2, 4, 8)} for r in (2, 4, 8)})
         factor = rng.choice([1.0, 1.7])
+        chunk_price = rng.choice([1.0, 0.79])
         kept = choose_nodes([ScoredTree(chain, list(scores), [{} for _ in scores], 64)], batch, rows=rows + 1,
                             base_tokens=rows + prefill, min_gain=1.0, prefill_tokens=prefill, decoding_rows=rows,
-                            tree_factor=factor, overhead=0.1)[0]
+                            tree_factor=factor, overhead=0.1, chunk_price=chunk_price)[0]
 
         def forward(r, base, k):
             return batch(r, base) + factor * (batch(r, base + k) - batch(r, base))
 
         price = max((rows + sum(scores[:k])) / (forward(rows, rows, k) + 0.1) for k in range(len(scores) + 1))
-        net = [sum(scores[:k]) - price * (forward(rows + 1, rows + prefill, k) - forward(rows + 1, rows + prefill, 0))
+        real = rows + prefill * chunk_price  # the real forward's tokens as the table counts them
+        net = [sum(scores[:k]) - price * (forward(rows + 1, real, k) - forward(rows + 1, real, 0))
                for k in range(len(scores) + 1)]
         assert net[len(kept)] == pytest.approx(max(net))
+
+
+def test_a_prefill_chunks_tokens_are_read_off_the_table_without_their_logits():
+    """The table's tokens all have logits; a chunk's never reach the output head. A decoding row
+    beside a 20-token chunk, on a table that turns steep past 20 tokens (1 + 0.01 a token, then
+    0.2): counted as table tokens the forward is already on the steep part and no node of 0.9 pays;
+    at 0.8 a chunk token (a head of a fifth of the work) it holds 17, and three nodes fit below the
+    bend."""
+    def cost(rows, tokens):
+        return 1 + 0.01 * tokens if tokens <= 20 else 1.2 + 0.2 * (tokens - 20)
+
+    chain = TokenTree.from_sequences([DraftSequence(tuple(range(8)), "s")])
+    cand = ScoredTree(chain, [0.9] * 8, [{} for _ in range(8)], 64)
+    step = dict(rows=2, base_tokens=21, min_gain=1.0, prefill_tokens=20, decoding_rows=1)
+    assert choose_nodes([cand, None], cost, **step) == [[], []]
+    assert choose_nodes([cand, None], cost, **step, chunk_price=1.0) == [[], []]
+    assert choose_nodes([cand, None], cost, **step, chunk_price=0.8) == [[0, 1, 2], []]
 
 
 def test_a_rows_cache_beyond_the_tables_prices_its_tokens_by_the_measured_slope():
