@@ -250,6 +250,22 @@ class BatchScheduler:
                 drafted.append(t)
             else:
                 base_tokens += len(run.plan.tree)
+        # Requests that arrived while the sources drafted (a client sending its next request as soon
+        # as its last one's result came) join this forward with their first chunk instead of waiting
+        # a whole step for the next admission: measured at C=8 over the 30 public items, newcomers
+        # waited a median 65 ms (a step) to be admitted beside drafting sources, 0.2 ms without.
+        for t in self._admit_late(runs):
+            steady = False
+            run = t.run
+            cap = limits.prefill_while_decoding if busy and run.to_prefill > limits.prefill_chunk else limits.prefill_chunk
+            n = min(run.to_prefill, left, cap)
+            if run.to_prefill and n <= 0:
+                continue  # no room left in this forward: planned at the next step, like any admitted request
+            left -= n
+            start = len(run.cached)
+            run.plan = StepPlan(chunk=run.prompt[start : start + n], decode=n == run.to_prefill)
+            base_tokens += n + (1 if run.plan.decode else 0)
+            stepping.append(t)
         kept = 0
         price = {id(t): self._key_prices(t) for t in stepping}  # (its first token, each further one)
         chunk_tokens = sum(len(t.run.plan.chunk) for t in stepping)  # they have no logits: cheaper than the table's
@@ -393,6 +409,15 @@ class BatchScheduler:
             ticket.admitted_at = time.perf_counter()
             self.stats.admitted += 1
             self.stats.wait_s_total += ticket.admitted_at - ticket.enqueued_at
+
+    def _admit_late(self, planned: list[Ticket]) -> list[Ticket]:
+        """Admit who is waiting now, within the step (``_admit``'s rules); the tickets admitted."""
+        with self._lock:
+            if not self._waiting:
+                return []
+        seen = {id(t) for t in planned}
+        self._admit()
+        return [t for t in self._active if id(t) not in seen and t.error is None and not t.done]
 
     def _drop_cancelled(self) -> None:
         for t in [t for t in self._active if t.cancelled]:

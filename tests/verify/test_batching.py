@@ -547,6 +547,41 @@ def test_a_prefill_chunks_tokens_are_priced_and_recorded_without_their_logits(ti
     assert chunked >= 5  # the long prompt went in over several steps beside the decoding row
 
 
+class _SubmittingSource:
+    """On its first call, sends a request to the decoder: a client whose next request arrives while
+    a step's sources are drafting."""
+
+    name = "submitting"
+
+    def __init__(self, decoder_ref: list, request: GenerationRequest) -> None:
+        self.decoder_ref, self.request, self.ticket = decoder_ref, request, None
+
+    def propose(self, ctx):
+        if self.ticket is None:
+            self.ticket = self.decoder_ref[0].submit(self.request)
+        return []
+
+
+def test_a_request_that_arrives_while_the_sources_draft_joins_that_steps_forward(tiny):
+    """Admission runs again once a step's sources have answered: a request sent meanwhile is
+    prefilled in that step's forward (its prompt fits one chunk, so it has its first token) instead
+    of waiting a whole step; both outputs stay their own plain greedy."""
+    rng = random.Random(13)
+    first, late = random_prompt(rng, tiny.vocab_size, 8, 8), random_prompt(rng, tiny.vocab_size, 12, 12)
+    ref: list = []
+    source = _SubmittingSource(ref, GenerationRequest(late, max_new_tokens=6, request_id="late"))
+    decoder = SpeculativeDecoder(tiny, [source], TrieBuilder(max_nodes=8))  # no deadline: sources run inline
+    ref.append(decoder)
+    ticket = decoder.submit(GenerationRequest(first, max_new_tokens=6, request_id="first"))
+    decoder.scheduler.step()  # the first request's prefill; its root comes with it, so its sources are asked
+    assert source.ticket is not None and source.ticket.admitted_at is not None
+    assert [type(e).__name__ for e in source.ticket.events] == ["StepEvent"]  # its first token, this step
+    while not (ticket.done and source.ticket.done):
+        decoder.scheduler.step()
+    for t, prompt in ((ticket, first), (source.ticket, late)):
+        assert t.error is None and tuple(list(t.events)[-1].token_ids) == tuple(reference_greedy(tiny, prompt, 6))
+
+
 class _LateSource:
     """Answers nothing, always after the step's deadline."""
 
