@@ -243,11 +243,12 @@ class BuilderConfig:
     fallback_after: int = option(4, min=1, help="consecutive steps with a tree but no accepted token before a cool-down")
     cooldown_steps: int = option(8, min=0, help="plain steps of a cool-down, before probing again")
     rest_after: int = option(
-        4, min=0, help="steps in a row in which no source proposed anything before a request rests its sources: "
-                       "its next steps decode plainly without asking them (0 = ask at every step)"
+        4, min=0, help="steps in a row in which nothing of a request's sources was verified (none proposed, or the "
+                       "batch's budget kept none of it) before it rests them: its next steps decode plainly without "
+                       "asking them (0 = ask at every step)"
     )
     max_rest: int = option(4, min=1, help="the longest rest, in steps; rests grow 1, 2, 4, ... up to it, one probe step "
-                                          "between two, and a probe that finds a draft ends them")
+                                          "between two, and a probe whose draft is verified ends them")
     rest_min_rows: int = option(
         3, min=1, help="requests in a step's batch from which its requests rest: in a smaller batch asking costs a "
                        "row ~0.5 ms and the trees pay the most, so every step asks"

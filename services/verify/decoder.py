@@ -380,22 +380,31 @@ class SpeculativeDecoder:
                               len(proposals), ", ".join(sorted(plan.proposed)) or "no source")
                 failed.extend(sorted(plan.proposed))
             plan.failed = tuple(failed)
-        if proposals:
-            run.dry = run.rests = 0
-        else:
-            run.dry += 1
-            if plan.may_rest and run.dry >= self.rest_after:  # rest 1, 2, 4, ... max_rest steps, a dry probe between
-                run.rest = min(self.max_rest, 1 << min(run.rests, 30))
-                run.rests += 1
         plan.draft_s += time.perf_counter() - t0
         return candidate
 
+    def _count_dry(self, run: RequestRun) -> None:
+        """After the batch's budget chose: a step whose sources were asked and of which nothing
+        is verified (no source had a draft, or the budget kept none of it) is dry for the
+        request; ``rest_after`` dry steps in a row rest its sources (``ask_sources``)."""
+        plan = run.plan
+        if len(plan.tree):
+            run.dry = run.rests = 0
+            return
+        run.dry += 1
+        if plan.may_rest and run.dry >= self.rest_after:  # rest 1, 2, 4, ... max_rest steps, a dry probe between
+            run.rest = min(self.max_rest, 1 << min(run.rests, 30))
+            run.rests += 1
+
     def prepare_verify(self, run: RequestRun) -> None:
-        """Check the chosen tree and start the fact-check flag lookup (lossy policies only): a
-        Redis round trip that runs while the target computes the batch."""
+        """Once the batch's budget chose: count the step towards resting the request's sources
+        (``_count_dry``), check the chosen tree and start the fact-check flag lookup (lossy policies
+        only): a Redis round trip that runs while the target computes the batch."""
         plan = run.plan
         if plan is None or not plan.decode:
             return
+        if plan.ctx is not None:  # its sources were asked this step
+            self._count_dry(run)
         plan.tree.validate(self.target.vocab_size)
         if self.flag_provider is not None and not run.policy.lossless and plan.ctx is not None and len(plan.tree):
             plan.flags = self._flag_thread().submit(tracing.in_context(self._flags), plan.ctx, plan.tree)

@@ -138,3 +138,37 @@ def test_a_request_cooling_down_after_failed_trees_does_not_ask_its_sources(llam
     # two failed trees (0, 1), three plain steps unasked (2, 3, 4), two more (5, 6), ...
     assert source.asked_at == [0, 1, 5, 6, 10, 11, 15, 16, 20, 21]
     assert sum(1 for s in result.steps if s.tree_size) == len(source.asked_at)
+
+
+class Always:
+    """Drafts the next 3 true tokens at every step; records who asked at which generated length."""
+
+    name = "always"
+
+    def __init__(self, references: dict[str, list[int]]) -> None:
+        self.references = references
+        self.asked: dict[str, list[int]] = {}
+
+    def propose(self, ctx: DraftContext) -> list[Proposal]:
+        n = len(ctx.generated_ids)
+        self.asked.setdefault(ctx.request_id, []).append(n)
+        truth = self.references[ctx.request_id][n:][:3]
+        return [Proposal(self.name, token_ids=tuple(truth))] if truth else []
+
+
+def test_a_request_whose_drafts_the_budget_keeps_none_of_rests_its_sources(llama, monkeypatch):
+    """A dry step is one of which nothing is verified: sources that draft at every step, in a batch
+    whose budget keeps none of their nodes (here: it never does), cost every row their calls for
+    nothing, so the requests rest them as they would silent ones; outputs stay plain greedy."""
+    import draftmesh.verify.scheduler as scheduler_module
+
+    monkeypatch.setattr(scheduler_module, "choose_nodes", lambda candidates, cost, **kw: [[] for _ in candidates])
+    reqs = [GenerationRequest(prompt_ids=(5, 6, 7, 8 + i), max_new_tokens=24, request_id=f"r{i}") for i in range(3)]
+    refs = {r.request_id: list(reference_greedy(llama, r.prompt_ids, 24)) for r in reqs}
+    source = Always(refs)
+    decoder = SpeculativeDecoder(llama, [source], CostAwareTreeBuilder({1: 1.0, 2: 1.05, 8: 1.1, 64: 2.0}))
+    results, rows = drive(decoder, [(0, req, None) for req in reqs])
+    assert max(rows) == 3
+    for i, req in enumerate(reqs):
+        assert list(results[i].token_ids) == refs[req.request_id]
+        assert source.asked[req.request_id] == [0, 1, 2, 3, 5, 8, 13, 18]
