@@ -214,16 +214,13 @@ class BatchScheduler:
                 left, reserve = left + reserve, 0
             if t.interrupted and first_token_due:
                 continue  # it was stopped for a newcomer: it sits out the newcomer's first step, once
-            cap = limits.prefill_while_decoding if busy and run.to_prefill > limits.prefill_chunk else limits.prefill_chunk
-            n = min(run.to_prefill, left, cap)
-            if n <= 0:
+            n = self._plan_chunk(run, left, busy)
+            if n is None:
                 continue
             left -= n
-            start = len(run.cached)
-            finishes = n == run.to_prefill
+            finishes = run.plan.decode
             busy = busy or finishes
             first_token_due = first_token_due or finishes
-            run.plan = StepPlan(chunk=run.prompt[start : start + n], decode=finishes)
             base_tokens += n + (1 if finishes else 0)
             (to_draft if finishes else stepping).append(t)
         candidates: list[ScoredTree | None] = []
@@ -256,15 +253,11 @@ class BatchScheduler:
         # waited a median 65 ms (a step) to be admitted beside drafting sources, 0.2 ms without.
         for t in self._admit_late(runs):
             steady = False
-            run = t.run
-            cap = limits.prefill_while_decoding if busy and run.to_prefill > limits.prefill_chunk else limits.prefill_chunk
-            n = min(run.to_prefill, left, cap)
-            if run.to_prefill and n <= 0:
+            n = self._plan_chunk(t.run, left, busy)
+            if n is None:
                 continue  # no room left in this forward: planned at the next step, like any admitted request
             left -= n
-            start = len(run.cached)
-            run.plan = StepPlan(chunk=run.prompt[start : start + n], decode=n == run.to_prefill)
-            base_tokens += n + (1 if run.plan.decode else 0)
+            base_tokens += n + (1 if t.run.plan.decode else 0)
             stepping.append(t)
         kept = 0
         price = {id(t): self._key_prices(t) for t in stepping}  # (its first token, each further one)
@@ -409,6 +402,19 @@ class BatchScheduler:
             ticket.admitted_at = time.perf_counter()
             self.stats.admitted += 1
             self.stats.wait_s_total += ticket.admitted_at - ticket.enqueued_at
+
+    def _plan_chunk(self, run: RequestRun, room: int, busy: bool) -> int | None:
+        """Plan the next chunk of ``run``'s prompt into this step, within ``room`` tokens (at most
+        ``prefill_while_decoding`` of a longer prompt while rows decode, ``busy``): the chunk's
+        tokens (its root follows when the prompt ends: ``plan.decode``), None when none fit."""
+        limits = self.limits
+        cap = limits.prefill_while_decoding if busy and run.to_prefill > limits.prefill_chunk else limits.prefill_chunk
+        n = min(run.to_prefill, room, cap)
+        if run.to_prefill and n <= 0:
+            return None
+        start = len(run.cached)
+        run.plan = StepPlan(chunk=run.prompt[start : start + n], decode=n == run.to_prefill)
+        return n
 
     def _admit_late(self, planned: list[Ticket]) -> list[Ticket]:
         """Admit who is waiting now, within the step (``_admit``'s rules); the tickets admitted."""
