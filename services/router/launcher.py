@@ -11,12 +11,15 @@ tests exercise is what users run.
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import os
 import threading
 import time
 from dataclasses import dataclass, field
 from typing import Any, Callable
+
+import psutil
 
 from draftmesh.config import DraftmeshConfig
 from draftmesh.factcheck.processes import WorkerProcesses
@@ -185,6 +188,30 @@ def _bounded(step: Callable[[], Any], timeout_s: float, what: str) -> None:
         raise errors[0]
 
 
+def _child_pids() -> set[int]:
+    return {p.pid for p in psutil.Process().children()}
+
+
+def _kill_children_since(before: set[int], grace_s: float = 5.0) -> None:
+    """Stop this process's children not in ``before``, with all their descendants: SIGTERM, then
+    SIGKILL after ``grace_s``. Children from before (Redis, fact-check workers) are left alone."""
+    procs = []
+    for child in psutil.Process().children():
+        if child.pid not in before:
+            with contextlib.suppress(psutil.Error):
+                procs += [child, *child.children(recursive=True)]
+    for proc in procs:
+        with contextlib.suppress(psutil.Error):
+            proc.terminate()
+    _, alive = psutil.wait_procs(procs, timeout=grace_s)
+    for proc in alive:
+        with contextlib.suppress(psutil.Error):
+            proc.kill()
+    psutil.wait_procs(alive, timeout=grace_s)
+    if procs:
+        log.warning("stopped %d process(es) of the half-started Ray node", len(procs))
+
+
 class UpstreamExposed(RuntimeError):
     """Serve's plaintext gRPC proxy answers on a non-loopback address: the gateway could be bypassed."""
 
@@ -205,24 +232,35 @@ def check_upstream_private(port: int, *, strict: bool = True) -> None:
 
 
 STARTUP_TIMEOUTS = ("Timed out waiting for file", "timed out during startup")
+GCS_PORT_WAIT_S = "90"
+"""How long a local head waits for its GCS to publish its port (Ray's default: 30 s), unless the
+environment sets ``RAY_gcs_server_port_wait_time_s``: on a starved 2-core machine 30 s was missed."""
 
 
 def _init_ray(address: str, options: dict[str, Any], attempts: int = 2) -> None:
     """``ray.init``, tried once more when a local node does not come up in time.
 
-    On a loaded 2-core machine a fresh local node sometimes misses one of Ray's 30 s startup
-    deadlines: the GCS never publishes its port ("Timed out waiting for file
-    .../gcs_server_port_...") or the raylet never registers ("The current node timed out during
-    startup", once after Ray's dashboard process aborted). Seen in CI and locally, rarely; cause
-    not found. The half-started node is shut down and a fresh one started; other errors are raised."""
+    On a loaded 2-core machine a fresh local node sometimes misses one of Ray's startup deadlines:
+    the GCS never publishes its port ("Timed out waiting for file .../gcs_server_port_...") or the
+    raylet never registers within Ray's fixed 30 s ("The current node timed out during startup").
+    Seen in CI and locally, rarely. A failed ``ray.init`` leaves the half-started node's processes
+    running (its ``Node`` is never returned, so ``ray.shutdown`` cannot stop them): they are killed
+    here before the retry, or they would starve it, and before the error is raised. Other errors
+    are raised at once."""
     import ray
 
+    if address == "local":
+        os.environ.setdefault("RAY_gcs_server_port_wait_time_s", GCS_PORT_WAIT_S)
     for attempt in range(1, attempts + 1):
+        before = _child_pids()
         try:
             ray.init(address=address, include_dashboard=False, log_to_driver=True, **options)
             return
         except Exception as exc:  # Ray raises a bare Exception for the raylet's timeout
-            if attempt == attempts or address != "local" or not any(s in str(exc) for s in STARTUP_TIMEOUTS):
+            startup = address == "local" and any(s in str(exc) for s in STARTUP_TIMEOUTS)
+            if startup:
+                _kill_children_since(before)
+            if attempt == attempts or not startup:
                 raise
             log.warning("Ray did not start (%s); retrying once", exc)
             ray.shutdown()

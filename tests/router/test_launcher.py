@@ -1,4 +1,5 @@
-"""start_mesh's ray.init retry: only a local node's startup timeout is retried, once."""
+"""start_mesh's ray.init retry: only a local node's startup timeout is retried, once, after the
+half-started node's processes are stopped."""
 
 from __future__ import annotations
 
@@ -55,3 +56,36 @@ def test_other_failures_are_raised_at_once(fake_ray, address, failure):
     with pytest.raises(type(failure)):
         launcher._init_ray(address, {})
     assert [name for name, _ in calls] == ["init"]
+
+
+LEFTOVERS = """
+import json, os, psutil
+from draftmesh.router import launcher
+try:
+    launcher._init_ray("local", {"num_cpus": 1})
+except RuntimeError as exc:
+    assert "gcs_server_port" in str(exc), exc
+else:
+    raise SystemExit("ray.init was expected to time out")
+children = psutil.Process().children(recursive=True)
+print(json.dumps([c.name() for c in children]))
+for c in children:
+    c.kill()
+"""
+
+
+@pytest.mark.timeout(180)
+def test_a_half_started_node_is_stopped_before_the_retry_and_the_error():
+    """A real ray.init whose GCS port wait is 0 s fails on both attempts: the gcs_server each attempt
+    started is gone afterwards (Ray itself leaves it running, and the retry competed with it)."""
+    import json
+    import os
+    import subprocess
+    import sys
+
+    env = {**os.environ, "RAY_gcs_server_port_wait_time_s": "0", "RAY_USAGE_STATS_ENABLED": "0",
+           "RAY_AUTH_MODE": "disabled"}
+    out = subprocess.run([sys.executable, "-c", LEFTOVERS], env=env, capture_output=True, text=True, timeout=150)
+    assert out.returncode == 0, out.stderr[-3000:]
+    assert json.loads(out.stdout.strip().splitlines()[-1]) == []
+    assert "stopped" in out.stderr and "retrying once" in out.stderr, out.stderr[-3000:]
