@@ -333,11 +333,11 @@ class BatchScheduler:
         step_s = time.perf_counter() - t_step
         st.step_s_total += step_s
         self._step_overhead().record(step_s, verify_s, len(inputs), steady=steady)
-        table_tokens = tokens - chunk_tokens * (1.0 - chunk_price)  # as the table counts them
-        self._tree_correction().record(self._batch_cost(), len(inputs), table_tokens - kept, table_tokens, verify_s,
-                                       base_keys=sum(price[id(t)][0] + price[id(t)][1] * (len(i.tokens) - 1)
-                                                     for t, i in zip(stepping, inputs)) - tree_keys,
-                                       tree_keys=tree_keys)
+        if chunk_tokens == 0:  # see TreeCostCorrection: a prompt chunk's error swamps a tree's part
+            self._tree_correction().record(self._batch_cost(), len(inputs), tokens - kept, tokens, verify_s,
+                                           base_keys=sum(price[id(t)][0] + price[id(t)][1] * (len(i.tokens) - 1)
+                                                         for t, i in zip(stepping, inputs)) - tree_keys,
+                                           tree_keys=tree_keys)
         if self.observer is not None:
             self.observer.batch(rows=len(inputs), tokens=tokens, queued=len(self._waiting),
                                 kv_bytes=self.kv.allocated_bytes, speculating=speculating)
