@@ -262,14 +262,13 @@ class BatchScheduler:
         kept = 0
         price = {id(t): self._key_prices(t) for t in stepping}  # (its first token, each further one)
         chunk_tokens = sum(len(t.run.plan.chunk) for t in stepping)  # they have no logits: cheaper than the table's
-        chunk_price = self._chunk_price()
         tree_keys = 0.0
         if candidates:
             keep = choose_nodes(candidates, self._batch_cost(), rows=len(stepping), base_tokens=base_tokens,
                                 min_gain=decoder.builder.config.min_gain, max_tokens=limits.max_batch_tokens,
                                 overhead=self._step_overhead()(len(stepping)),
                                 tree_factor=self._tree_correction().factor(len(stepping)),
-                                prefill_tokens=chunk_tokens, chunk_price=chunk_price,
+                                prefill_tokens=chunk_tokens, chunk_price=self._chunk_price(),
                                 decoding_rows=sum(1 for t in stepping if t.run.plan.decode),
                                 node_prices=[price[id(t)][1] for t in drafted],
                                 base_keys=sum(price[id(t)][0] + price[id(t)][1] * len(t.run.plan.tree)
