@@ -207,6 +207,7 @@ def run(args: argparse.Namespace) -> int:
             "max_nodes": cfg.builder.max_nodes,
             "cost_curve": {str(k): round(v, 4) for k, v in cost_curve.items()},
             "step_ms": round(1e3 * target.step_seconds, 4) if cost_curve and target.step_seconds else None,
+            "costs_from_cache": _costs_from_cache(target),
         }
         if startup is not None:
             meta["startup"] = startup
@@ -222,6 +223,15 @@ def run(args: argparse.Namespace) -> int:
         return EXIT_MISMATCH if any(r.identical_to_plain is False and not r.other_engine for r in results) else EXIT_OK
     finally:
         compute.set_threads(old_threads)
+
+
+def _costs_from_cache(target) -> bool:
+    """Whether the forward's costs the budget weighed were read from ``engine.cost_cache`` (timed by an
+    earlier process) rather than measured in this run: said in the report and printed."""
+    cached = bool(getattr(target, "costs_from_cache", False))
+    if cached:
+        print(f"forward costs read from {target.cost_cache} (engine.cost_cache), not measured in this run")
+    return cached
 
 
 def _write_outputs(json_path, payload, plot_path, plot) -> None:
@@ -304,7 +314,8 @@ def _run_concurrency(args, cfg, target, prepared, threads: int, tls_ca: bytes | 
     report["meta"] = {"date": datetime.now(timezone.utc).isoformat(timespec="seconds"),
                       "command": opt("command_line") or command_line("draftmesh bench"), "machine": machine_info(),
                       "model": cfg.engine.model, "threads": threads, "dtype": str(target.dtype).replace("torch.", ""),
-                      "workload": {"path": str(args.workload), "items": len(prepared)}}
+                      "workload": {"path": str(args.workload), "items": len(prepared)},
+                      "costs_from_cache": _costs_from_cache(target)}
     if VLLM_CONCURRENT in methods and opt("vllm_eager"):
         report["meta"]["vllm_eager"] = True
     print(format_concurrency(report))

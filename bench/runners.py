@@ -263,4 +263,5 @@ def load_target_spec(spec_or_target, engine: EngineConfig | None = None) -> Torc
     if isinstance(spec_or_target, TorchTarget):
         return spec_or_target
     engine = engine or EngineConfig()
-    return TorchTarget.load(str(spec_or_target), device=engine.device, dtype=engine.torch_dtype())
+    return TorchTarget.load(str(spec_or_target), device=engine.device, dtype=engine.torch_dtype(),
+                            cost_cache=engine.cost_cache)

@@ -14,6 +14,7 @@ compaction a simple index operation on every layer alike.
 
 from __future__ import annotations
 
+import logging
 import statistics
 import threading
 import time
@@ -23,13 +24,15 @@ from typing import Sequence
 import torch
 from transformers import DynamicCache
 
-from draftmesh import tree_attention
+from draftmesh import compute, cost_cache, tree_attention
 from draftmesh.batch_kv import RowInput, SlotKVCache, use_batched_attention
 from draftmesh.compute import on_compute_thread
 from draftmesh.direct_decoder import DirectDecoder
 from draftmesh.models import load_model
 from draftmesh.packed_linear import use_packed_linears
 from draftmesh.tree import TokenTree
+
+log = logging.getLogger(__name__)
 
 COST_CURVE_SIZES = (1, 2, 4, 8, 16, 32, 64)
 BATCH_COST_ROWS = (2, 4, 8, 16)
@@ -38,6 +41,9 @@ COST_CONTEXT = 128
 """Cached tokens per row at which the cost curve and the batch table are measured."""
 KEY_COST_CONTEXT = 1024
 """The longer cache at which ``measure_key_cost`` times the same forward again."""
+_MEASUREMENT = {"sizes": COST_CURVE_SIZES, "rows": BATCH_COST_ROWS, "per_row": BATCH_COST_TOKENS_PER_ROW,
+                "context": COST_CONTEXT, "key_context": KEY_COST_CONTEXT}
+"""What ``ensure_costs`` times, part of a cached entry's fingerprint."""
 
 
 @dataclass(frozen=True)
@@ -118,6 +124,11 @@ class TorchTarget:
         self.key_cost: KeyCost | None = None
         """What a forward's tokens cost per cached key of their row beyond ``COST_CONTEXT``
         (``measure_key_cost``); None: not measured yet."""
+        self.cost_cache: str | None = None
+        """A directory where ``ensure_costs`` reads and keeps its measurements (``engine.cost_cache``;
+        ``draftmesh.cost_cache``); None: measured in every process."""
+        self.costs_from_cache = False
+        """Whether ``ensure_costs`` read its costs from ``cost_cache`` rather than timing them."""
         self.head_share = head_share(model)
         """The output head's part of a token's weight work: what a prefill chunk's tokens, which
         never reach the head, save against the tables' tokens (every one of which has logits)."""
@@ -145,10 +156,13 @@ class TorchTarget:
 
     @classmethod
     @on_compute_thread
-    def load(cls, spec: str, *, device: str = "cpu", dtype: torch.dtype | None = None) -> "TorchTarget":
+    def load(cls, spec: str, *, device: str = "cpu", dtype: torch.dtype | None = None,
+             cost_cache: str | None = None) -> "TorchTarget":
         """Loaded on the compute thread, like every forward (see ``draftmesh.compute``)."""
         model, tokenizer = load_model(spec, device=device, dtype=dtype)
-        return cls(model, tokenizer, name=spec)
+        target = cls(model, tokenizer, name=spec)
+        target.cost_cache = cost_cache or None
+        return target
 
     def _eos_ids(self) -> frozenset[int]:
         ids: set[int] = set()
@@ -290,13 +304,34 @@ class TorchTarget:
     # ------------------------------------------------------------------ cost curve
     def ensure_costs(self) -> None:
         """What the budget weighs, each measured once per target: the batch-1 cost curve, the
-        batched table, and what a row's longer cache adds to them."""
+        batched table, and what a row's longer cache adds to them. With ``cost_cache`` set, read
+        from there when this machine measured them for the same weights, threads and code, and
+        written there after measuring."""
+        if self.cost_curve and self.batch_cost and self.key_cost is not None:
+            return
+        key = None
+        if self.cost_cache:
+            key = cost_cache.fingerprint(self.model, threads=compute.get_threads(), measurement=_MEASUREMENT)
+            stored = cost_cache.load(self.cost_cache, key)
+            if stored is not None:
+                self.cost_curve, self.step_seconds = stored.cost_curve, stored.step_seconds
+                self.batch_cost, self.batch_step_seconds = stored.batch_cost, stored.batch_step_seconds
+                self.key_cost = KeyCost(*stored.key_cost)
+                self.costs_from_cache = True
+                return
         if not self.cost_curve:
             self.measure_cost_curve()
         if not self.batch_cost:
             self.measure_batch_cost()
         if self.key_cost is None:
             self.measure_key_cost()
+        if key is not None:
+            try:
+                cost_cache.store(self.cost_cache, key, cost_cache.MeasuredCosts(
+                    cost_curve=self.cost_curve, step_seconds=self.step_seconds, batch_cost=self.batch_cost,
+                    batch_step_seconds=self.batch_step_seconds, key_cost=(self.key_cost.row, self.key_cost.token)))
+            except OSError as exc:  # a read-only or full disk costs the next start its ~18 s, nothing more
+                log.warning("could not keep the measured forward costs in %s: %s", self.cost_cache, exc)
 
     @on_compute_thread
     @torch.inference_mode()

@@ -111,6 +111,12 @@ class EngineConfig:
         32, min=1, help="prompt tokens per step for a prompt longer than prefill_chunk while other requests decode (bounds their step time)")
     max_batch_rows: int = option(32, min=1, help="requests decoded together in one batch")
     max_waiting: int = option(256, min=0, help="requests waiting for room in the batch before RESOURCE_EXHAUSTED")
+    cost_cache: str | None = option(
+        None,
+        help="directory where the forward's measured costs (~18 s of timing at start) are kept, and read back by the "
+             "next start on this machine with the same weights, threads and code (at most 32 files of a few KB); "
+             "unset: measured at every start",
+    )
 
     def __post_init__(self) -> None:
         check_fields(self)

@@ -4,7 +4,9 @@ and the session's one served mesh (``served_mesh``), whose users run last."""
 from __future__ import annotations
 
 import os
+import shutil
 import sys
+import tempfile
 
 import pytest
 import torch
@@ -16,6 +18,11 @@ from tiny_models import tiny_target
 pytest_plugins = ["served_mesh"]
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
+# The real model's forward costs are timed once per (threads, model) in a session, not by every mesh,
+# `draftmesh serve` and bench process the tests start (~18-30 s each): engine.cost_cache, read from the
+# environment by every config the tests load and passed by the fixtures that build theirs in code.
+_OWN_COST_CACHE = "DRAFTMESH_COST_CACHE" not in os.environ
+COST_CACHE = os.environ.setdefault("DRAFTMESH_COST_CACHE", tempfile.mkdtemp(prefix="draftmesh-test-costs-"))
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 # Tiny models are fastest on one thread; OpenMP spinning on a busy 2-core box costs 20x.
 torch.set_num_threads(int(os.environ.get("DRAFTMESH_TEST_THREADS", "1")))
@@ -45,6 +52,8 @@ def pytest_unconfigure(config):
     session = config.stash.get(_session_key, None)
     if session is None:
         return
+    if _OWN_COST_CACHE:
+        shutil.rmtree(COST_CACHE, ignore_errors=True)
     capture = config.pluginmanager.getplugin("capturemanager")
     if capture is not None:
         capture.stop_global_capturing()
@@ -62,7 +71,7 @@ def tiny(request):
 def smollm2():
     from draftmesh.backend import TorchTarget
 
-    return TorchTarget.load("smollm2-135m")
+    return TorchTarget.load("smollm2-135m", cost_cache=COST_CACHE)
 
 
 @pytest.fixture(scope="session")

@@ -89,7 +89,7 @@ def mesh(external_source, otlp):
     os.environ["PYTHONPATH"] = os.pathsep.join(filter(None, [str(TESTS_DIR), os.environ.get("PYTHONPATH")]))
     small = {"num_cpus": 0.1}
     cfg = DraftmeshConfig.from_dict({
-        "engine": {"threads": 2},
+        "engine": {"threads": 2, "cost_cache": os.environ.get("DRAFTMESH_COST_CACHE")},
         "serve": {"grpc_port": free_port(), "http_port": free_port(), "verifier_num_cpus": 0.5,
                   # every admitted request runs at once (none waits in Serve's queue): a test can hold all slots
                   "max_in_flight": MAX_IN_FLIGHT, "verifier_max_ongoing": MAX_IN_FLIGHT, "api_keys": [API_KEY]},
@@ -135,7 +135,7 @@ def engine(mesh):
     """The in-process engine with the mesh's in-process sources."""
     from draftmesh.verify.engine import decoder_from_config, load_target
 
-    cfg = DraftmeshConfig().replace(engine={"threads": 2})
+    cfg = DraftmeshConfig().replace(engine={"threads": 2, "cost_cache": os.environ.get("DRAFTMESH_COST_CACHE")})
     return decoder_from_config(load_target(cfg.engine), cfg)
 
 

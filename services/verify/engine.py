@@ -72,7 +72,7 @@ def build_decoder(
 def load_target(cfg: EngineConfig) -> TorchTarget:
     """The config's target model, on its device and dtype, with its thread count applied."""
     cfg.apply_threads()
-    return TorchTarget.load(cfg.model, device=cfg.device, dtype=cfg.torch_dtype())
+    return TorchTarget.load(cfg.model, device=cfg.device, dtype=cfg.torch_dtype(), cost_cache=cfg.cost_cache)
 
 
 def decoder_from_config(

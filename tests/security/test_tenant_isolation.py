@@ -41,7 +41,7 @@ def mesh(tmp_path_factory):
     # bob's key from the key file as "<tenant> <key>"; the others from the config
     keys.write_text(f"# tenants\nbob {KEYS['bob']}\n")
     cfg = DraftmeshConfig.from_dict({
-        "engine": {"threads": 2},
+        "engine": {"threads": 2, "cost_cache": os.environ.get("DRAFTMESH_COST_CACHE")},
         "sources": {"names": ["history"]},
         "serve": {
             "grpc_port": free_port(), "http_port": free_port(), "verifier_num_cpus": 0.5, "max_in_flight": 8,
