@@ -314,9 +314,11 @@ class TorchTarget:
             key = cost_cache.fingerprint(self.model, threads=compute.get_threads(), measurement=_MEASUREMENT)
             stored = cost_cache.load(self.cost_cache, key)
             if stored is not None:
-                self.cost_curve, self.step_seconds = stored.cost_curve, stored.step_seconds
-                self.batch_cost, self.batch_step_seconds = stored.batch_cost, stored.batch_step_seconds
+                self.cost_curve, self.batch_cost = stored.cost_curve, stored.batch_cost
                 self.key_cost = KeyCost(*stored.key_cost)
+                # The tables are ratios; their unit is timed now (~1 s): the budget turns measured
+                # seconds into it, and the process that wrote the entry may have run under other load.
+                self.measure_units()
                 self.costs_from_cache = True
                 return
         if not self.cost_curve:
@@ -332,6 +334,34 @@ class TorchTarget:
                     batch_step_seconds=self.batch_step_seconds, key_cost=(self.key_cost.row, self.key_cost.token)))
             except OSError as exc:  # a read-only or full disk costs the next start its ~18 s, nothing more
                 log.warning("could not keep the measured forward costs in %s: %s", self.cost_cache, exc)
+
+    @on_compute_thread
+    @torch.inference_mode()
+    def measure_units(self, context: int = COST_CONTEXT, repeats: int = 7) -> tuple[float, float]:
+        """The two tables' units alone: a batch-1 one-token step (``step_seconds``, the cost curve's)
+        and the same step through the batched forward (``batch_step_seconds``), interleaved, medians."""
+        gen = torch.Generator().manual_seed(1)
+        prompt = torch.randint(0, self.vocab_size, (context + 1,), generator=gen).tolist()
+        state = KVState()
+        self.prefill(state, prompt[: context - 1])
+        kv = self.new_batch_cache(max_bytes=1 << 40)
+        kv.ensure(1, context + 2)
+        kv.add_row()
+        self.forward_batch(kv, [RowInput.chain(0, prompt[:context])])
+        single, batched = [], []
+        for rep in range(repeats + 1):  # the first round warms up
+            t0 = time.perf_counter()
+            self.step(state, prompt[context - 1])
+            t1 = time.perf_counter()
+            self.forward_batch(kv, [RowInput.chain(0, prompt[context : context + 1], logits_from=0)])
+            t2 = time.perf_counter()
+            self.commit(state, context - 1, [])
+            kv.commit(0, context, [])
+            if rep:
+                single.append(t1 - t0)
+                batched.append(t2 - t1)
+        self.step_seconds, self.batch_step_seconds = statistics.median(single), statistics.median(batched)
+        return self.step_seconds, self.batch_step_seconds
 
     @on_compute_thread
     @torch.inference_mode()

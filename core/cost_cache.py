@@ -6,7 +6,8 @@ threads, far more on one. Every replica restart, every ``draftmesh serve`` and e
 paid it again, for numbers that depend only on the machine, the weights and the code. With
 ``engine.cost_cache`` set, the first process measures and writes them here, and later ones with the
 same fingerprint read them instead (a replica that restarts or scales out on an identical node is
-ready ~18 s sooner).
+ready ~18 s sooner). The tables are ratios to a one-token step; that step itself is timed again
+by the reading process (~1 s), since the budget turns measured seconds into it.
 
 The fingerprint covers everything the timings depend on: the weights (a sample of every
 parameter), the model config, dtype, device, torch's thread count, torch's version, the CPU (model

@@ -49,13 +49,28 @@ def test_the_second_target_reads_what_the_first_measured(tmp_path, monkeypatch):
     second.ensure_costs()
     assert calls == [] and second.costs_from_cache
     assert second.cost_curve == first.cost_curve and second.batch_cost == first.batch_cost
-    assert second.step_seconds == first.step_seconds and second.batch_step_seconds == first.batch_step_seconds
     assert second.key_cost == first.key_cost
+    assert 0 < second.step_seconds < 1 and 0 < second.batch_step_seconds < 1  # timed here (next test)
 
     calls.clear()
     alone = _target(None)  # no cache: measured, whatever a directory holds
     alone.ensure_costs()
     assert sorted(calls) == sorted(MEASURERS) and not alone.costs_from_cache
+
+
+def test_the_tables_unit_is_timed_by_the_reader(tmp_path):
+    """The tables are ratios; the seconds of their unit are the reading process's own: an entry
+    written under other load (here: absurd units) does not skew the budget's conversions."""
+    writer = _target(tmp_path)
+    writer.ensure_costs()
+    (entry,) = tmp_path.glob("forward-costs-*.json")
+    data = json.loads(entry.read_text())
+    data["costs"]["step_seconds"], data["costs"]["batch_step_seconds"] = 123.0, 456.0
+    entry.write_text(json.dumps(data))
+    reader = _target(tmp_path)
+    reader.ensure_costs()
+    assert reader.costs_from_cache and reader.batch_cost == writer.batch_cost
+    assert 0 < reader.step_seconds < 1 and 0 < reader.batch_step_seconds < 1
 
 
 def test_other_weights_threads_or_measurement_get_their_own_entry(tmp_path, monkeypatch):
