@@ -39,9 +39,13 @@ class Serve:
         cmd = [sys.executable, "-m", "draftmesh.cli", "serve", "--threads", "1", "--grpc-port", str(self.port),
                "--http-port", "0", "--no-factcheck", "--drain-s", str(DRAIN_S), "--api-keys", KEY,
                "--verifier-num-cpus", "0.5", "--log-level", "WARNING"]
+        # A cold start, as a user meets it: the forward's costs are timed, not read from the session's
+        # engine.cost_cache. With them cached (ready ~35 s sooner), one clean-clone run saw the first
+        # Complete after "ready" answer UNAVAILABLE (issue 16's stop-43 note: a lead, not yet understood).
+        env = {k: v for k, v in os.environ.items() if k != "DRAFTMESH_COST_CACHE"}
         with open(self.out, "w") as out, open(self.err, "w") as err:
             self.proc = subprocess.Popen(cmd, stdout=out, stderr=err, start_new_session=True,
-                                         env={**os.environ, "HF_HUB_OFFLINE": "1"})
+                                         env={**env, "HF_HUB_OFFLINE": "1"})
 
     def logs(self) -> str:
         return f"--- stdout\n{self.out.read_text()[-3000:]}\n--- stderr\n{self.err.read_text()[-6000:]}"
