@@ -13,6 +13,8 @@ from importlib import metadata
 from pathlib import Path
 from typing import Any, Sequence
 
+from draftmesh import compute
+
 VERSIONED_PACKAGES = ("draftmesh", "torch", "transformers", "ray", "spacy", "redis")
 
 
@@ -42,12 +44,9 @@ def _version(package: str) -> str | None:
 def machine_info(packages: Sequence[str] = VERSIONED_PACKAGES) -> dict[str, Any]:
     """CPU model and cores (physical, logical, usable by this process), platform, Python, load and
     the versions of ``packages``: what a reader needs to compare a figure with their own."""
-    cpu, physical = platform.processor() or platform.machine(), None
+    physical = None
     try:
         text = Path("/proc/cpuinfo").read_text()
-        names = [ln.split(":", 1)[1].strip() for ln in text.splitlines() if ln.startswith("model name")]
-        if names:
-            cpu = names[0]
         cores = set()
         phys = core = None
         for ln in text.splitlines() + [""]:
@@ -63,10 +62,10 @@ def machine_info(packages: Sequence[str] = VERSIONED_PACKAGES) -> dict[str, Any]
     except OSError:
         pass
     info: dict[str, Any] = {
-        "cpu": cpu,
+        "cpu": compute.cpu_model(),
         "physical_cores": physical,
         "logical_cpus": os.cpu_count(),
-        "usable_cpus": len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count(),
+        "usable_cpus": compute.usable_cpus(),
         "platform": platform.platform(),
         "python": platform.python_version(),
     }

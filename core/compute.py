@@ -24,6 +24,7 @@ import functools
 import os
 import threading
 from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
 from typing import Any, Callable, TypeVar
 
 T = TypeVar("T")
@@ -117,3 +118,22 @@ def _after_fork_in_child() -> None:  # the child has none of the parent's thread
 
 if hasattr(os, "register_at_fork"):
     os.register_at_fork(after_in_child=_after_fork_in_child)
+
+
+def cpu_model() -> str:
+    """The CPU's model name (``/proc/cpuinfo``; the platform's processor or machine elsewhere): what a
+    timing of the compute depends on, for the bench's report and the cost cache's fingerprint."""
+    import platform
+
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith("model name"):
+                return line.split(":", 1)[1].strip()
+    except OSError:
+        pass
+    return platform.processor() or platform.machine()
+
+
+def usable_cpus() -> int | None:
+    """CPUs this process may run on (its affinity where the OS has one)."""
+    return len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count()

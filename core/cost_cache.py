@@ -33,6 +33,8 @@ from typing import Any
 
 import torch
 
+from draftmesh import compute
+
 FORMAT = 1
 MAX_ENTRIES = 32
 """Files kept in a cache directory (each a few KB): one per machine/model/threads combination."""
@@ -69,16 +71,6 @@ def _opt_float(value) -> float | None:
     return None if value is None else float(value)
 
 
-def _cpu_name() -> str:
-    try:
-        for line in Path("/proc/cpuinfo").read_text().splitlines():
-            if line.startswith("model name"):
-                return line.split(":", 1)[1].strip()
-    except OSError:
-        pass
-    return platform.processor() or platform.machine()
-
-
 def _code_digest() -> str:
     here = Path(__file__).resolve().parent
     h = hashlib.sha256()
@@ -95,11 +87,10 @@ def fingerprint(model: torch.nn.Module, *, threads: int, measurement: dict[str, 
     ``threads``: the width the forward runs at (the compute thread's, ``draftmesh.compute``)."""
     h = hashlib.sha256()
     cfg = model.config.to_json_string() if hasattr(model.config, "to_json_string") else repr(model.config)
-    cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count()
     params = list(model.parameters())
     head = {
         "format": FORMAT, "config": cfg, "dtype": str(params[0].dtype), "device": str(params[0].device),
-        "threads": threads, "torch": torch.__version__, "cpu": _cpu_name(), "cores": cores,
+        "threads": threads, "torch": torch.__version__, "cpu": compute.cpu_model(), "cores": compute.usable_cpus(),
         "machine": platform.machine(), "measurement": measurement, "code": _code_digest(),
         "params": [list(p.shape) for p in params],
     }
