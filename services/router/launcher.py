@@ -25,6 +25,7 @@ from draftmesh.config import DraftmeshConfig
 from draftmesh.factcheck.processes import WorkerProcesses
 from draftmesh.net import free_port
 from draftmesh.redis_server import EmbeddedRedis
+from draftmesh.serve_health import wait_served
 from draftmesh.router.app import APP_NAME, GRPC_SERVICER_FUNCTIONS, build_app
 from draftmesh.router.auth import ApiKeyAuth
 from draftmesh.router.loopback import HOOK, exposed_on
@@ -85,11 +86,10 @@ def start_mesh(cfg: DraftmeshConfig, *, ray_init: dict[str, Any] | None = None) 
         cert = key = None
         if serve_cfg.tls_cert is not None:
             cert, key = load_tls_files(serve_cfg.tls_cert, serve_cfg.tls_key)
-        proxy_port = free_port()
         # First, so that the public port answers "starting" (ours), never Ray's NOT_FOUND, and a
-        # port in use fails before Ray is started.
+        # port in use fails before Ray is started. Its upstream, Serve's proxy, is named once Ray is up.
         gateway = running.gateway = TlsGateway(
-            f"127.0.0.1:{proxy_port}", serve_cfg.grpc_port, cert, key,
+            None, serve_cfg.grpc_port, cert, key,
             auth=ApiKeyAuth.from_config(serve_cfg), application=APP_NAME, ready=False,
             max_concurrent_rpcs=serve_cfg.max_streams, max_message_bytes=cfg.limits.max_body_bytes,
         ).run_in_thread()
@@ -133,6 +133,10 @@ def start_mesh(cfg: DraftmeshConfig, *, ray_init: dict[str, Any] | None = None) 
             _init_ray(serve_cfg.address or "local", options)
             running._cleanup.append(ray.shutdown)
 
+        # Picked only now: a port picked before ray.init was seen taken by one of Ray's own processes
+        # by the time Serve's proxy bound it ("Address already in use"), failing the start.
+        proxy_port = free_port()
+        gateway.connect(f"127.0.0.1:{proxy_port}")
         # The HTTP face off: Serve's HTTP proxy still runs (it is the gRPC proxy's process) on loopback only.
         http_on = serve_cfg.http_port != 0
         http_options = {"host": "0.0.0.0", "port": serve_cfg.http_port} if http_on else {"host": "127.0.0.1", "port": free_port()}
@@ -152,6 +156,12 @@ def start_mesh(cfg: DraftmeshConfig, *, ray_init: dict[str, Any] | None = None) 
                   logging_config={"log_level": serve_cfg.log_level})
         running.upstream_address = f"127.0.0.1:{proxy_port}"
         check_upstream_private(proxy_port, strict=private)
+        # Ready means Serve's proxy routes our app: it learns its routes by a long poll of its own,
+        # after serve.run has returned. One that does not in time is logged; the calls then tell.
+        served = wait_served(running.upstream_address, APP_NAME, ROUTED_WAIT_S)
+        if not served.healthy:
+            log.warning("Serve's proxy does not route %s yet after %.0fs (%s); serving anyway", APP_NAME,
+                        ROUTED_WAIT_S, served.message)
         if workers is not None:
             workers.wait_ready()
         gateway.set_ready()
@@ -163,6 +173,9 @@ def start_mesh(cfg: DraftmeshConfig, *, ray_init: dict[str, Any] | None = None) 
         running.stop()
         raise
 
+
+ROUTED_WAIT_S = 30.0
+"""How long a start waits for Serve's proxy to route the app after ``serve.run`` returned."""
 
 SERVE_SHUTDOWN_S = 10.0
 """How long stopping a private mesh waits for Serve's own graceful shutdown before Ray's."""

@@ -202,7 +202,9 @@ class TlsGateway:
     `cert_pem` and `key_pem` both None: the public port is plaintext too (the checks still apply).
     `auth`: the bearer keys calls must present (None or no keys: no check). `application`: the
     Serve app every call is pinned to (None: the client's header is forwarded). `ready=False`:
-    every call answers UNAVAILABLE "starting" until `set_ready()`.
+    every call answers UNAVAILABLE "starting" until `set_ready()`. `upstream=None` (only with
+    `ready=False`): the upstream is named later (`connect`), once it can be chosen: the mesh picks
+    Serve's proxy port after Ray's node is up, so that none of Ray's own processes takes it first.
     `port=0` picks a free port; the bound port is `.port` after `start()`.
     `extra_descriptors` adds proto file descriptors whose streaming methods must be known
     (methods not described anywhere are forwarded as unary-unary).
@@ -210,7 +212,7 @@ class TlsGateway:
 
     def __init__(
         self,
-        upstream: str,
+        upstream: str | None,
         port: int,
         cert_pem: bytes | None,
         key_pem: bytes | None,
@@ -223,7 +225,9 @@ class TlsGateway:
         application: str | None = None,
         ready: bool = True,
     ):
-        if not upstream:
+        if upstream is None and ready:
+            raise ValueError("upstream: needed for a gateway that is ready from the start")
+        if upstream is not None and not upstream:
             raise ValueError("upstream: must be a host:port address")
         if not 0 <= int(port) <= 65535:
             raise ValueError(f"port: must be in [0, 65535], got {port}")
@@ -273,7 +277,19 @@ class TlsGateway:
 
     def set_ready(self, ready: bool = True) -> None:
         """From now on calls are forwarded (False: answered "starting" again). Thread-safe: a flag."""
+        if ready and self.upstream is None:
+            raise RuntimeError("the gateway has no upstream yet: connect() first")
         self._ready = bool(ready)
+
+    async def connect(self, upstream: str) -> None:
+        """Forward to ``upstream`` from now on (a gateway started without one, or moved). Runs on
+        the gateway's event loop (``GatewayThread.connect`` from other threads)."""
+        if not upstream:
+            raise ValueError("upstream: must be a host:port address")
+        old, self.upstream = self._channel, upstream
+        self._channel = grpc.aio.insecure_channel(upstream, options=self._options()) if self._server is not None else None
+        if old is not None:
+            await old.close()
 
     def _refuse(self, method: str, metadata: Any) -> tuple[grpc.StatusCode, str] | None:
         """(code, details) when a call is refused from its method and headers alone, else None."""
@@ -319,11 +335,13 @@ class TlsGateway:
             raise OSError(f"TLS gateway could not bind {address}: {exc}") from exc
         if not bound:
             raise OSError(f"TLS gateway could not bind {address} (in use, or bad certificate/key?)")
-        self._channel = grpc.aio.insecure_channel(self.upstream, options=self._options())
+        if self.upstream is not None:
+            self._channel = grpc.aio.insecure_channel(self.upstream, options=self._options())
         try:
             await server.start()
         except Exception:
-            await self._channel.close()
+            if self._channel is not None:
+                await self._channel.close()
             self._channel = None
             raise
         self._server = server
@@ -358,7 +376,7 @@ class TlsGateway:
     def _upstream_callable(self, method: str, kind: str) -> Any:
         channel = self._channel
         if channel is None:
-            raise RuntimeError("TlsGateway is not running")
+            raise RuntimeError("TlsGateway is not running" if self._server is None else "TlsGateway has no upstream")
         factory = {
             UNARY_UNARY: channel.unary_unary,
             UNARY_STREAM: channel.unary_stream,
@@ -467,6 +485,10 @@ class GatewayThread:
     def set_ready(self, ready: bool = True) -> None:
         """See `TlsGateway.set_ready`."""
         self.gateway.set_ready(ready)
+
+    def connect(self, upstream: str, timeout: float = 10.0) -> None:
+        """See `TlsGateway.connect`: run on the gateway's loop, waited for."""
+        asyncio.run_coroutine_threadsafe(self.gateway.connect(upstream), self._loop).result(timeout)
 
     def stop(self, grace: float | None = None, timeout: float | None = 30.0) -> None:
         """Stops the gateway (in-flight calls get `grace` seconds) and joins the thread. Idempotent."""

@@ -89,3 +89,42 @@ def test_a_half_started_node_is_stopped_before_the_retry_and_the_error():
     assert out.returncode == 0, out.stderr[-3000:]
     assert json.loads(out.stdout.strip().splitlines()[-1]) == []
     assert "stopped" in out.stderr and "retrying once" in out.stderr, out.stderr[-3000:]
+
+def test_serves_proxy_port_is_picked_after_rays_node_is_up(monkeypatch):
+    """A port picked before ``ray.init`` can be taken by one of Ray's own processes by the time
+    Serve's proxy binds it ("Address already in use" failed a bench's mesh start): it is picked
+    after the node is up, and the gateway is pointed at it then."""
+    import ray
+    from ray import serve
+
+    from draftmesh.config import DraftmeshConfig
+    from draftmesh.net import free_port
+
+    events: list = []
+
+    def pick(host: str = "127.0.0.1") -> int:
+        port = free_port(host)
+        events.append(("port", port))
+        return port
+
+    class Stop(Exception):
+        pass
+
+    def serve_start(grpc_options, **_):
+        events.append(("serve.start", grpc_options.port))
+        raise Stop
+
+    monkeypatch.setattr(launcher, "free_port", pick)
+    monkeypatch.setattr(launcher, "_init_ray", lambda address, options: events.append(("ray.init", None)))
+    monkeypatch.setattr(ray, "is_initialized", lambda: False)
+    monkeypatch.setattr(ray, "shutdown", lambda: events.append(("ray.shutdown", None)))
+    monkeypatch.setattr(serve, "start", serve_start)
+    cfg = DraftmeshConfig().replace(serve={"grpc_port": free_port(), "redis_url": "redis://127.0.0.1:1/0",
+                                           "http_port": 0}, factcheck={"enabled": False})
+    with pytest.raises(Stop):
+        launcher.start_mesh(cfg)
+    names = [name for name, _ in events]
+    proxy_port = dict(events)["serve.start"]
+    assert ("port", proxy_port) in events
+    assert names.index("ray.init") < events.index(("port", proxy_port)) < names.index("serve.start")
+    assert names[-1] == "ray.shutdown"  # the failed start still stopped what it started

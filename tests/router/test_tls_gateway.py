@@ -13,6 +13,7 @@ from tls_certs import self_signed
 
 from draftmesh.client import MeshClient, build_request
 from draftmesh.router.tls_gateway import (
+    STARTING,
     TlsConfigError,
     TlsGateway,
     load_tls_files,
@@ -303,6 +304,25 @@ def test_async_start_stop(upstream, tls_pair):
         return texts
 
     assert asyncio.run(main())[:4] == WORDS
+
+
+def test_an_upstream_named_after_the_start(upstream, tls_pair):
+    """The mesh's gateway starts before Serve's proxy port is chosen: it answers "starting" until it
+    is connected and ready, then forwards to the upstream it was given."""
+    addr, servicer = upstream
+    with pytest.raises(ValueError, match="upstream"):
+        TlsGateway(None, 0, *tls_pair)  # a gateway ready from the start needs its upstream
+    with TlsGateway(None, 0, *tls_pair, host="127.0.0.1", ready=False).run_in_thread() as handle:
+        with _client(handle, tls_pair) as client:
+            with pytest.raises(grpc.RpcError) as err:
+                client.complete(build_request("hi"))
+            assert (err.value.code(), err.value.details()) == (grpc.StatusCode.UNAVAILABLE, STARTING)
+            with pytest.raises(RuntimeError, match="connect"):
+                handle.set_ready()
+            handle.connect(addr)
+            handle.set_ready()
+            assert client.complete(build_request("hi")).text.startswith("".join(WORDS))
+    assert len(servicer.requests) == 1
 
 
 def test_port_in_use_is_a_clear_error(gateway, tls_pair, upstream):
