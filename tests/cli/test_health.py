@@ -12,6 +12,7 @@ import pytest
 from ray.serve.generated import serve_pb2, serve_pb2_grpc
 
 from deploy.deploy_files import dispatch
+from draftmesh import serve_health
 from draftmesh.cli import health
 from draftmesh.cli.main import main
 from draftmesh.net import free_port
@@ -95,7 +96,7 @@ def test_method_paths_are_the_ones_ray_defines():
 
 
 def test_response_messages_match_rays():
-    for name, cls in health._messages().items():
+    for name, cls in serve_health._messages().items():
         ours = cls.DESCRIPTOR
         theirs = getattr(serve_pb2, name).DESCRIPTOR
         assert ours.full_name == theirs.full_name
@@ -103,7 +104,7 @@ def test_response_messages_match_rays():
                [(f.name, f.number, f.type, f.is_repeated) for f in theirs.fields]
     # and bytes from Ray's classes decode with ours
     raw = serve_pb2.ListApplicationsResponse(application_names=["a", "draftmesh"]).SerializeToString()
-    assert list(health._messages()["ListApplicationsResponse"].FromString(raw).application_names) == ["a", "draftmesh"]
+    assert list(serve_health._messages()["ListApplicationsResponse"].FromString(raw).application_names) == ["a", "draftmesh"]
 
 
 def test_default_application_is_the_mesh_app():
@@ -154,6 +155,25 @@ def test_routes_not_populated_is_unhealthy(proxy):
     proxy.routes_ready = False
     status = health.check_health(proxy.addr, timeout=5)
     assert not status.healthy and "ListApplications failed: UNAVAILABLE" in status.message
+
+
+def test_wait_served_returns_once_the_proxy_routes_the_app(proxy):
+    """The mesh's readiness (``start_mesh``): it waits while the proxy's routes are not populated,
+    then returns the healthy answer."""
+    proxy.routes_ready = False
+    threading.Timer(0.5, lambda: setattr(proxy, "routes_ready", True)).start()
+    t0 = time.monotonic()
+    status = serve_health.wait_served(proxy.addr, timeout_s=20)
+    assert status.healthy and time.monotonic() - t0 >= 0.5
+    assert sum(1 for name, _ in proxy.requests if name == "ListApplications") >= 2
+
+
+def test_wait_served_gives_up_with_the_last_answer(proxy):
+    proxy.applications = ["other-app"]
+    t0 = time.monotonic()
+    status = serve_health.wait_served(proxy.addr, timeout_s=0.6)
+    assert not status.healthy and "'draftmesh' is not deployed" in status.message
+    assert 0.5 <= time.monotonic() - t0 < 5
 
 
 def test_unreachable_is_unhealthy_and_fast(capsys):

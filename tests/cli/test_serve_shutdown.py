@@ -41,7 +41,9 @@ class Serve:
                "--verifier-num-cpus", "0.5", "--log-level", "WARNING"]
         # A cold start, as a user meets it: the forward's costs are timed, not read from the session's
         # engine.cost_cache. With them cached (ready ~35 s sooner), one clean-clone run saw the first
-        # Complete after "ready" answer UNAVAILABLE (issue 16's stop-43 note: a lead, not yet understood).
+        # Complete after "ready" answer UNAVAILABLE, its details unrecorded. Since then the mesh is ready
+        # only once Serve's proxy routes the app, and the proxy's port is picked after Ray's node is up
+        # (either could explain it; neither is established: six cached starts since answered OK).
         env = {k: v for k, v in os.environ.items() if k != "DRAFTMESH_COST_CACHE"}
         with open(self.out, "w") as out, open(self.err, "w") as err:
             self.proc = subprocess.Popen(cmd, stdout=out, stderr=err, start_new_session=True,
@@ -114,7 +116,8 @@ def test_ctrl_c_while_starting_stops_it_and_the_port_said_starting(serve):
 
 def test_ctrl_c_when_idle_stops_it(serve):
     serve.wait_ready()
-    assert _complete_code(serve.port)[0] == grpc.StatusCode.OK, serve.logs()
+    code, details = _complete_code(serve.port)
+    assert code == grpc.StatusCode.OK, f"{code} {details!r}\n{serve.logs()}"
     code, took = serve.interrupt_and_time()
     print(f"stopped idle in {took:.1f}s")
     assert code == 130, serve.logs()
