@@ -309,9 +309,11 @@ class TorchTarget:
         written there after measuring."""
         if self.cost_curve and self.batch_cost and self.key_cost is not None:
             return
-        key = None
-        if self.cost_cache:
-            key = cost_cache.fingerprint(self.model, threads=compute.get_threads(), measurement=_MEASUREMENT)
+        if not self.cost_cache:
+            self._measure_costs()
+            return
+        key = cost_cache.fingerprint(self.model, threads=compute.get_threads(), measurement=_MEASUREMENT)
+        with cost_cache.measuring(self.cost_cache):  # one process measures at a time; the next reads it
             stored = cost_cache.load(self.cost_cache, key)
             if stored is not None:
                 self.cost_curve, self.batch_cost = stored.cost_curve, stored.batch_cost
@@ -321,19 +323,21 @@ class TorchTarget:
                 self.measure_units()
                 self.costs_from_cache = True
                 return
-        if not self.cost_curve:
-            self.measure_cost_curve()
-        if not self.batch_cost:
-            self.measure_batch_cost()
-        if self.key_cost is None:
-            self.measure_key_cost()
-        if key is not None:
+            self._measure_costs()
             try:
                 cost_cache.store(self.cost_cache, key, cost_cache.MeasuredCosts(
                     cost_curve=self.cost_curve, step_seconds=self.step_seconds, batch_cost=self.batch_cost,
                     batch_step_seconds=self.batch_step_seconds, key_cost=(self.key_cost.row, self.key_cost.token)))
             except OSError as exc:  # a read-only or full disk costs the next start its ~18 s, nothing more
                 log.warning("could not keep the measured forward costs in %s: %s", self.cost_cache, exc)
+
+    def _measure_costs(self) -> None:
+        if not self.cost_curve:
+            self.measure_cost_curve()
+        if not self.batch_cost:
+            self.measure_batch_cost()
+        if self.key_cost is None:
+            self.measure_key_cost()
 
     @on_compute_thread
     @torch.inference_mode()

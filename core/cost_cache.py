@@ -16,29 +16,44 @@ package's backend sources and native kernels, by content). Any change measures a
 cannot see is load: a cache written on a busy machine is read on a quiet one, so leave it unset
 where the costs must be measured in the run (``draftmesh bench`` figures for BENCHMARKS).
 
-The directory holds at most ``MAX_ENTRIES`` files of a few KB (oldest removed first): its byte bound.
+Processes sharing a directory measure one at a time (``measuring``: a lock file): replicas that
+start together on one machine would otherwise time their forwards on the same cores at once, each
+slowed by the others, and store those skewed tables for every later start. The one that waited
+reads what the first stored.
+
+The directory holds at most ``MAX_ENTRIES`` files of a few KB (oldest removed first) and one empty
+lock file: its byte bound.
 """
 
 from __future__ import annotations
 
+import contextlib
+import fcntl
 import hashlib
 import json
+import logging
 import os
 import platform
 import tempfile
 import time
 from dataclasses import asdict, dataclass
 from pathlib import Path
-from typing import Any
+from typing import Any, Iterator
 
 import torch
 
 from draftmesh import compute
 
+log = logging.getLogger(__name__)
+
 FORMAT = 1
 MAX_ENTRIES = 32
 """Files kept in a cache directory (each a few KB): one per machine/model/threads combination."""
 _PREFIX = "forward-costs-"
+_LOCK = ".measuring.lock"
+LOCK_WAIT_S = 300.0
+"""How long a process waits for another's measurement before it measures beside it (at one thread
+SmolLM2's take ~36 s; a few replicas in line fit)."""
 _CODE_FILES = ("backend.py", "batch_kv.py", "direct_decoder.py", "tree_attention.py", "packed_linear.py",
                "compute.py", "cost_cache.py")
 
@@ -111,6 +126,41 @@ def load(directory: str | os.PathLike, key: str) -> MeasuredCosts | None:
         return MeasuredCosts.from_json(data["costs"])
     except (OSError, ValueError, KeyError, TypeError):
         return None
+
+
+@contextlib.contextmanager
+def measuring(directory: str | os.PathLike, wait_s: float = LOCK_WAIT_S) -> Iterator[bool]:
+    """Hold the directory's measuring lock (an exclusive ``flock``, released with the process if it
+    dies): whether it was had. Not had, after ``wait_s`` or when the directory cannot hold a lock
+    file, the caller goes on without it: a start is never blocked for good by another's."""
+    try:
+        folder = Path(directory)
+        folder.mkdir(parents=True, exist_ok=True)
+        fd = os.open(folder / _LOCK, os.O_RDWR | os.O_CREAT, 0o666)
+    except OSError as exc:
+        log.warning("cannot lock %s (%s): measuring without waiting for other processes", directory, exc)
+        yield False
+        return
+    try:
+        deadline = time.monotonic() + wait_s
+        while True:
+            try:
+                fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+                held = True
+                break
+            except BlockingIOError:
+                if time.monotonic() >= deadline:
+                    log.warning("another process has measured in %s for over %.0fs: measuring beside it", directory, wait_s)
+                    held = False
+                    break
+                time.sleep(0.1)
+        try:
+            yield held
+        finally:
+            if held:
+                fcntl.flock(fd, fcntl.LOCK_UN)
+    finally:
+        os.close(fd)
 
 
 def store(directory: str | os.PathLike, key: str, costs: MeasuredCosts) -> Path:

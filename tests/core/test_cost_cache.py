@@ -153,3 +153,49 @@ def test_the_engine_config_reaches_the_loaded_target(tmp_path, monkeypatch):
     load_target(cfg.engine)
     load_target_spec("some-model", EngineConfig(cost_cache=str(tmp_path)))
     assert [kw["cost_cache"] for _, kw in loaded] == [str(tmp_path), str(tmp_path)]
+
+
+def test_processes_sharing_a_directory_measure_one_at_a_time(tmp_path, monkeypatch):
+    """Replicas starting together would time their forwards on the same cores at once and store
+    skewed tables: the second waits for the first's measurement and reads it."""
+    import threading
+
+    first = _target(None)
+    first.ensure_costs()  # measured without the cache, stored below while the lock is held
+    calls = _count_measurements(monkeypatch)
+    second = _target(tmp_path)
+    done = threading.Event()
+    with cost_cache.measuring(tmp_path) as held:
+        assert held
+        waiter = threading.Thread(target=lambda: (second.ensure_costs(), done.set()))
+        waiter.start()
+        assert not done.wait(0.5), "the second target did not wait for the lock"
+        key = cost_cache.fingerprint(first.model, threads=compute.get_threads(), measurement=_MEASUREMENT)
+        cost_cache.store(tmp_path, key, cost_cache.MeasuredCosts(
+            cost_curve=first.cost_curve, step_seconds=first.step_seconds, batch_cost=first.batch_cost,
+            batch_step_seconds=first.batch_step_seconds, key_cost=(first.key_cost.row, first.key_cost.token)))
+    waiter.join(60)
+    assert done.is_set() and calls == [] and second.costs_from_cache
+    assert second.batch_cost == first.batch_cost
+
+
+def test_the_lock_is_given_up_after_its_wait(tmp_path):
+    import threading
+    import time
+
+    with cost_cache.measuring(tmp_path) as held:
+        assert held
+        got: list = []
+
+        def other():
+            t0 = time.monotonic()
+            with cost_cache.measuring(tmp_path, wait_s=0.3) as h:
+                got.append((h, time.monotonic() - t0))
+
+        t = threading.Thread(target=other)
+        t.start()
+        t.join(10)
+    assert got and got[0][0] is False and got[0][1] >= 0.3
+    with cost_cache.measuring(tmp_path, wait_s=0) as held:  # released with its holder
+        assert held
+    assert [p.name for p in tmp_path.iterdir()] == [".measuring.lock"]
