@@ -51,10 +51,24 @@ class PassResult:
     first_token: list[float]
     outputs: dict[str, tuple[int, ...]]
     batch: dict[str, Any] = field(default_factory=dict)
+    steady_seconds: float | None = None
+    """From the pass's start until its last item was started: while C requests were in flight. After
+    it the pass drains (fewer and fewer requests: a 30-item workload's tail is a large share of a
+    pass at C=8, and it is longest for the method whose fast requests leave its slow ones alone).
+    None when the items never outnumbered C."""
+    steady_tokens: int | None = None
+    """Completion tokens emitted within ``steady_seconds``."""
 
     @property
     def tokens_per_s(self) -> float:
         return self.tokens / self.seconds if self.seconds else 0.0
+
+    @property
+    def steady_tokens_per_s(self) -> float | None:
+        """Aggregate tokens/s while C requests were in flight (``steady_seconds``)."""
+        if self.steady_seconds is None or self.steady_tokens is None or self.steady_seconds <= 0:
+            return None
+        return self.steady_tokens / self.steady_seconds
 
 
 def concurrency_methods(text: str | None) -> list[str]:
@@ -119,6 +133,8 @@ def run_pass(load, method: str, items: Sequence[PreparedItem], concurrency: int)
     first: list[float] = []
     outputs: dict[str, tuple[int, ...]] = {}
     tokens = [0]
+    emitted: list[tuple[float, int]] = []  # (when, tokens) of every step event
+    last_started: list[float] = []
     errors: list[BaseException] = []
 
     def client() -> None:
@@ -127,10 +143,14 @@ def run_pass(load, method: str, items: Sequence[PreparedItem], concurrency: int)
                 if not queue or errors:
                     return
                 item = queue.pop(0)
+                if not queue:
+                    last_started.append(time.perf_counter())
             t0 = time.perf_counter()
             ttft = None
             try:
                 for kind, value in load.stream(item):
+                    if kind == "step":
+                        emitted.append((time.perf_counter(), value))  # list.append: atomic
                     if kind == "step" and ttft is None and value:
                         ttft = time.perf_counter() - t0
                     if kind == "result":
@@ -171,7 +191,12 @@ def run_pass(load, method: str, items: Sequence[PreparedItem], concurrency: int)
                  "busy_share": step_s / seconds if seconds else 0.0,
                  # per batch size, what the pass's trees cost against the warm-up table (the budget's correction)
                  "tree_cost_factors": after.get("tree_cost_factors")}
-    return PassResult(method, concurrency, seconds, tokens[0], latencies, first, outputs, batch)
+    steady_s = steady_tokens = None
+    if len(items) > concurrency and last_started:
+        steady_s = last_started[0] - t0
+        steady_tokens = sum(n for when, n in emitted if when <= last_started[0])
+    return PassResult(method, concurrency, seconds, tokens[0], latencies, first, outputs, batch,
+                      steady_seconds=steady_s, steady_tokens=steady_tokens)
 
 
 def _median(values) -> float | None:
@@ -270,6 +295,8 @@ def run_concurrency(target, items: Sequence[PreparedItem], levels: Sequence[int]
     rows = []
     for (m, c), passes in runs.items():
         tps = [p.tokens_per_s for p in passes]
+        steady = [p.steady_tokens_per_s for p in passes]
+        steady = steady if all(x is not None for x in steady) else None
         lat = [x for p in passes for x in p.latencies]
         ttf = [x for p in passes for x in p.first_token]
         # None: no plain-serial pass ran, so nothing was compared (not "none identical")
@@ -277,6 +304,7 @@ def run_concurrency(target, items: Sequence[PreparedItem], levels: Sequence[int]
         total = sum(len(p.outputs) for p in passes)
         rows.append({
             "method": m, "concurrency": c, "tokens_per_s": statistics.median(tps), "tokens_per_s_runs": tps,
+            "steady_tokens_per_s": statistics.median(steady) if steady else None, "steady_tokens_per_s_runs": steady,
             "latency_p50_s": _pct(lat, 0.5), "latency_p95_s": _pct(lat, 0.95),
             "ttft_p50_s": _pct(ttf, 0.5), "ttft_p95_s": _pct(ttf, 0.95),
             "mean_rows": _median(p.batch.get("mean_rows") for p in passes),
@@ -299,7 +327,11 @@ def run_concurrency(target, items: Sequence[PreparedItem], levels: Sequence[int]
                            "same_run_ratios": {f"{a} / {b}": {str(c): {"ratio": round(v["ratio"], 3),
                                                                         "runs": [round(x, 3) for x in v["runs"]]}
                                                                 for c, v in per_c.items()}
-                                               for (a, b), per_c in same_run_ratios(rows).items()}}
+                                               for (a, b), per_c in same_run_ratios(rows).items()},
+                           "steady_same_run_ratios": {f"{a} / {b}": {str(c): {"ratio": round(v["ratio"], 3),
+                                                                               "runs": [round(x, 3) for x in v["runs"]]}
+                                                                       for c, v in per_c.items()}
+                                                      for (a, b), per_c in same_run_ratios(rows, key="steady_tokens_per_s").items()}}
     if probe_tokens:
         progress(f"  prefill probe: {probe_tokens}-token prompt")
         out["prefill_probe"] = prefill_probe(target, engine, builder, min(probe_tokens, target.max_context - 16),
@@ -312,10 +344,10 @@ SAME_RUN_PAIRS = ((DRAFTMESH, PLAIN), *MESH_PAIRS)
 batched plain decoding (the issue's targets), and each mesh method over its in-process twin."""
 
 
-def same_run_ratios(rows: Sequence[Mapping[str, Any]],
-                    pairs: Sequence[tuple[str, str]] = SAME_RUN_PAIRS) -> dict[tuple[str, str], dict[int, dict[str, Any]]]:
+def same_run_ratios(rows: Sequence[Mapping[str, Any]], pairs: Sequence[tuple[str, str]] = SAME_RUN_PAIRS,
+                    key: str = "tokens_per_s") -> dict[tuple[str, str], dict[int, dict[str, Any]]]:
     """Per pair whose two methods ran in the report, per C: ``{"ratio", "runs"}``, the first method's
-    tokens/s over the second's.
+    tokens/s over the second's (``key``: over the whole pass, or ``steady_tokens_per_s``).
 
     A repeat runs every method of a C back to back, so each repeat gives one paired ratio of two
     passes run one after the other, and the figure is the median of those: a box that drifts
@@ -327,13 +359,13 @@ def same_run_ratios(rows: Sequence[Mapping[str, Any]],
     for a, b in pairs:
         for (m, c), row in sorted(by_key.items(), key=lambda kv: kv[0][1]):
             ref = by_key.get((b, c))
-            if m != a or ref is None or not ref["tokens_per_s"]:
+            if m != a or ref is None or not ref.get(key) or row.get(key) is None:
                 continue
-            runs_a, runs_b = row.get("tokens_per_s_runs"), ref.get("tokens_per_s_runs")
+            runs_a, runs_b = row.get(f"{key}_runs"), ref.get(f"{key}_runs")
             if runs_a and runs_b and len(runs_a) == len(runs_b) and all(runs_b):
                 runs = [x / y for x, y in zip(runs_a, runs_b)]
             else:
-                runs = [row["tokens_per_s"] / ref["tokens_per_s"]]
+                runs = [row[key] / ref[key]]
             out.setdefault((a, b), {})[c] = {"ratio": statistics.median(runs), "runs": runs}
     return out
 
@@ -346,17 +378,25 @@ def mesh_ratios(rows: Sequence[Mapping[str, Any]]) -> dict[str, dict[int, float]
 
 
 def same_run_ratio_lines(rows: Sequence[Mapping[str, Any]]) -> list[str]:
-    """One line per pair: the ratio at each C, and each repeat's where there were several."""
+    """One line per pair and measure (the whole pass; while C were in flight): the ratio at each C,
+    and each repeat's where there were several."""
     lines = []
-    for (a, b), per_c in same_run_ratios(rows).items():
+    for key, what in (("tokens_per_s", ""), ("steady_tokens_per_s", ", C in flight")):
+        lines += _ratio_lines(same_run_ratios(rows, key=key), what)
+    return ["", *lines] if lines else []
+
+
+def _ratio_lines(ratios, what: str) -> list[str]:
+    lines = []
+    for (a, b), per_c in ratios.items():
         parts = []
         for c, v in per_c.items():
             each = f" ({', '.join(f'{x:.2f}' for x in v['runs'])})" if len(v["runs"]) > 1 else ""
             parts.append(f"{v['ratio']:.2f}x at C={c}{each}")
         how = "same run, median of the repeats' paired ratios" if any(len(v["runs"]) > 1 for v in per_c.values()) \
             else "same run"
-        lines.append(f"{a} / {b} ({how}): " + ", ".join(parts))
-    return ["", *lines] if lines else []
+        lines.append(f"{a} / {b} ({how}{what}): " + ", ".join(parts))
+    return lines
 
 
 def fmt_same(identical: int | None, outputs: int) -> str:
@@ -365,8 +405,9 @@ def fmt_same(identical: int | None, outputs: int) -> str:
 
 
 def format_concurrency(report: dict[str, Any]) -> str:
-    lines = ["", "Concurrency (closed loop; aggregate completion tokens/s, medians over repeats)", ""]
-    head = (f"{'C':>3} {'method':<15} {'tok/s':>8} {'x serial':>9} {'p50 s':>7} {'p95 s':>7} {'ttft50':>7} "
+    lines = ["", "Concurrency (closed loop; aggregate completion tokens/s, medians over repeats: tok/s over the whole",
+             "pass, steady while C requests were in flight, i.e. until the last item started)", ""]
+    head = (f"{'C':>3} {'method':<15} {'tok/s':>8} {'steady':>7} {'x serial':>9} {'p50 s':>7} {'p95 s':>7} {'ttft50':>7} "
             f"{'ttft95':>7} {'rows':>5} {'tok/fwd':>7} {'spec':>5} {'step ms':>7} {'fwd ms':>6} {'same':>7}")
     lines.append(head)
     serial = {r["concurrency"]: r["tokens_per_s"] for r in report["rows"] if r["method"] == PLAIN_SERIAL}
@@ -374,7 +415,8 @@ def format_concurrency(report: dict[str, Any]) -> str:
         base = serial.get(r["concurrency"])
         ratio = f"{r['tokens_per_s'] / base:.2f}x" if base else "-"
         lines.append(
-            f"{r['concurrency']:>3} {r['method']:<15} {r['tokens_per_s']:>8.1f} {ratio:>9} {r['latency_p50_s']:>7.2f} "
+            f"{r['concurrency']:>3} {r['method']:<15} {r['tokens_per_s']:>8.1f} {fmt(r.get('steady_tokens_per_s')):>7} "
+            f"{ratio:>9} {r['latency_p50_s']:>7.2f} "
             f"{r['latency_p95_s']:>7.2f} {r['ttft_p50_s']:>7.3f} {r['ttft_p95_s']:>7.3f} {fmt(r['mean_rows'], '.2f'):>5} "
             f"{fmt(r['mean_tokens_per_forward']):>7} {fmt(r['speculating_share'], '.2f'):>5} "
             f"{fmt(r.get('step_ms')):>7} {fmt(r.get('forward_ms')):>6} "

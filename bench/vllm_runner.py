@@ -221,8 +221,10 @@ def closed_loop_pass(worker: WorkerProcess, eos_token_ids: Sequence[int]):
             raise VLLMError(str(exc)) from exc
         warmed.append(True)
         outputs = {r["id"]: tuple(cut_at_eos([int(t) for t in r["token_ids"]], eos)) for r in out["results"]}
+        steady_s, steady_tokens = out.get("steady_seconds"), out.get("steady_tokens")
         return PassResult(VLLM, concurrency, float(out["seconds"]), sum(len(v) for v in outputs.values()),
                           [float(r["latency_s"]) for r in out["results"]], [float(r["ttft_s"]) for r in out["results"]],
-                          outputs, batch={})
+                          outputs, batch={}, steady_seconds=None if steady_s is None else float(steady_s),
+                          steady_tokens=None if steady_tokens is None else int(steady_tokens))
 
     return run

@@ -10,7 +10,7 @@ import pytest
 from bench_args import parse, workload_file
 from tiny_models import tiny_target
 
-from draftmesh.bench.concurrency import mesh_ratios, same_run_ratio_lines, same_run_ratios
+from draftmesh.bench.concurrency import mesh_ratios, run_pass, same_run_ratio_lines, same_run_ratios
 from draftmesh.bench.run import run
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -43,6 +43,10 @@ def test_concurrency_run_reports_every_level_and_method(tmp_path, capsys):
         assert gain[str(c)]["ratio"] == pytest.approx(
             rows[("draftmesh", c)]["tokens_per_s"] / rows[("plain", c)]["tokens_per_s"], rel=1e-2)
     assert "draftmesh / plain (same run): " in printed
+    for r in rows.values():  # 6 items outnumber C: a window while C were in flight
+        assert r["steady_tokens_per_s"] > 0
+    steady = data["steady_same_run_ratios"]["draftmesh / plain"]
+    assert set(steady) == {"1", "3"} and "draftmesh / plain (same run, C in flight): " in printed
     assert out_png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
 
 
@@ -186,3 +190,47 @@ def test_without_plain_serial_outputs_are_not_compared_rather_than_shown_as_none
     assert all(r["identical_to_plain_serial"] is None and r["outputs"] == 3 for r in rows)
     table = [line for line in capsys.readouterr().out.splitlines() if line.strip().startswith("2 ")]
     assert len(table) == 2 and all(line.rstrip().endswith("-/3") for line in table), table
+
+
+class _ScriptedLoad:
+    """A load whose requests emit in a set order (threading events, no sleeps): ``a`` emits 5 tokens
+    and waits for ``c``; ``b`` emits 2 once ``a`` has, then ends, so its client starts ``c``, the last
+    item; ``c`` emits 3 and lets ``a`` emit its last 7."""
+
+    def __init__(self):
+        import threading
+
+        self.a_emitted, self.c_ran = threading.Event(), threading.Event()
+
+    def warm(self, item):
+        pass
+
+    def batch_stats(self):
+        return None
+
+    def stream(self, item):
+        if item.id == "a":
+            yield "step", 5
+            self.a_emitted.set()
+            assert self.c_ran.wait(10)
+            yield "step", 7
+            yield "result", tuple(range(12))
+        elif item.id == "b":
+            assert self.a_emitted.wait(10)
+            yield "step", 2
+            yield "result", (0, 1)
+        else:
+            yield "step", 3
+            self.c_ran.set()
+            yield "result", (0, 1, 2)
+
+
+def test_the_steady_window_ends_when_the_last_item_starts():
+    from types import SimpleNamespace as NS
+
+    items = [NS(id=i) for i in "abc"]
+    res = run_pass(_ScriptedLoad(), "x", items, 2)
+    assert res.tokens == 17 and res.steady_tokens == 7  # a's first 5 and b's 2, before c started
+    assert 0 < res.steady_seconds <= res.seconds
+    assert res.steady_tokens_per_s == pytest.approx(7 / res.steady_seconds)
+    assert run_pass(_ScriptedLoad(), "x", items, 3).steady_tokens_per_s is None  # never more items than C

@@ -346,10 +346,26 @@ def test_closed_loop_keeps_at_most_c_in_flight_and_answers_every_request(concurr
 
     engine = _FakeEngine()
     reqs = [{"id": f"r{i}", "max_new_tokens": 1 + i % 3} for i in range(5)]
-    results, seconds = run_closed_loop(engine, lambda r: r["max_new_tokens"], lambda r: None, reqs, concurrency)
+    results, seconds, steady = run_closed_loop(engine, lambda r: r["max_new_tokens"], lambda r: None, reqs, concurrency)
     assert engine.peak == min(concurrency, 5) and engine.order == [r["id"] for r in reqs]
     got = {r["id"]: r for r in results}
     assert set(got) == {r["id"] for r in reqs} and seconds >= 0
     for r in reqs:
         assert len(got[r["id"]]["token_ids"]) == r["max_new_tokens"]
         assert 0 <= got[r["id"]]["ttft_s"] <= got[r["id"]]["latency_s"]
+
+
+def test_closed_loop_counts_the_tokens_generated_while_c_were_in_flight():
+    """Until the last request is added (the bench's steady window): at C=2 over lengths 1, 2, 3, 1, 2
+    the fake engine has made 1 + 2 + 2 + 1 tokens when r3 ends and r4, the last, is added; a stop
+    token at the end of an output is not counted (the bench cuts it)."""
+    from draftmesh.bench.vllm_worker import run_closed_loop
+
+    reqs = [{"id": f"r{i}", "max_new_tokens": 1 + i % 3} for i in range(5)]
+    _, seconds, steady = run_closed_loop(_FakeEngine(), lambda r: r["max_new_tokens"], lambda r: None, reqs, 2)
+    assert steady["steady_tokens"] == 6 and 0 <= steady["steady_seconds"] <= seconds
+    reqs[0]["stop_token_ids"] = [0]  # r0's one token is the fake engine's token 0
+    _, _, steady = run_closed_loop(_FakeEngine(), lambda r: r["max_new_tokens"], lambda r: None, reqs, 2)
+    assert steady["steady_tokens"] == 5
+    _, _, steady = run_closed_loop(_FakeEngine(), lambda r: r["max_new_tokens"], lambda r: None, reqs, 5)
+    assert steady == {"steady_seconds": None, "steady_tokens": None}  # never more requests than C
