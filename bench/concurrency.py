@@ -52,10 +52,10 @@ class PassResult:
     outputs: dict[str, tuple[int, ...]]
     batch: dict[str, Any] = field(default_factory=dict)
     steady_seconds: float | None = None
-    """From the pass's start until its last item was started: while C requests were in flight. After
-    it the pass drains (fewer and fewer requests: a 30-item workload's tail is a large share of a
-    pass at C=8, and it is longest for the method whose fast requests leave its slow ones alone).
-    None when the items never outnumbered C."""
+    """From the pass's start until a client first found no item left: while C requests were in flight.
+    After it the pass drains (fewer and fewer requests: a 30-item workload's tail is a large share
+    of a pass at C=8, and it is longest for the method whose fast requests leave its slow ones
+    alone). At C=1 it is the whole pass. None when there were fewer items than C."""
     steady_tokens: int | None = None
     """Completion tokens emitted within ``steady_seconds``."""
 
@@ -134,17 +134,16 @@ def run_pass(load, method: str, items: Sequence[PreparedItem], concurrency: int)
     outputs: dict[str, tuple[int, ...]] = {}
     tokens = [0]
     emitted: list[tuple[float, int]] = []  # (when, tokens) of every step event
-    last_started: list[float] = []
+    drained: list[float] = []  # when clients found no item left: from the first, fewer than C in flight
     errors: list[BaseException] = []
 
     def client() -> None:
         while True:
             with lock:
                 if not queue or errors:
+                    drained.append(time.perf_counter())
                     return
                 item = queue.pop(0)
-                if not queue:
-                    last_started.append(time.perf_counter())
             t0 = time.perf_counter()
             ttft = None
             try:
@@ -192,9 +191,9 @@ def run_pass(load, method: str, items: Sequence[PreparedItem], concurrency: int)
                  # per batch size, what the pass's trees cost against the warm-up table (the budget's correction)
                  "tree_cost_factors": after.get("tree_cost_factors")}
     steady_s = steady_tokens = None
-    if len(items) > concurrency and last_started:
-        steady_s = last_started[0] - t0
-        steady_tokens = sum(n for when, n in emitted if when <= last_started[0])
+    if len(items) >= concurrency and drained:
+        steady_s = drained[0] - t0
+        steady_tokens = sum(n for when, n in emitted if when <= drained[0])
     return PassResult(method, concurrency, seconds, tokens[0], latencies, first, outputs, batch,
                       steady_seconds=steady_s, steady_tokens=steady_tokens)
 
@@ -406,7 +405,7 @@ def fmt_same(identical: int | None, outputs: int) -> str:
 
 def format_concurrency(report: dict[str, Any]) -> str:
     lines = ["", "Concurrency (closed loop; aggregate completion tokens/s, medians over repeats: tok/s over the whole",
-             "pass, steady while C requests were in flight, i.e. until the last item started)", ""]
+             "pass, steady while C requests were in flight, i.e. until a client first found no item left)", ""]
     head = (f"{'C':>3} {'method':<15} {'tok/s':>8} {'steady':>7} {'x serial':>9} {'p50 s':>7} {'p95 s':>7} {'ttft50':>7} "
             f"{'ttft95':>7} {'rows':>5} {'tok/fwd':>7} {'spec':>5} {'step ms':>7} {'fwd ms':>6} {'same':>7}")
     lines.append(head)
@@ -443,7 +442,10 @@ def plot_concurrency(report: dict[str, Any], path: str) -> None:
     for m in report["methods"]:
         rows = [r for r in report["rows"] if r["method"] == m]
         cs = [r["concurrency"] for r in rows]
-        ax1.plot(cs, [r["tokens_per_s"] for r in rows], marker="o", label=m)
+        line, = ax1.plot(cs, [r["tokens_per_s"] for r in rows], marker="o", label=m)
+        steady = [(c, r["steady_tokens_per_s"]) for c, r in zip(cs, rows) if r.get("steady_tokens_per_s")]
+        if steady:  # the same method while C requests were in flight
+            ax1.plot(*zip(*steady), marker="x", linestyle="--", color=line.get_color(), label=f"{m}, C in flight")
         ax2.plot(cs, [r["latency_p95_s"] for r in rows], marker="o", label=m)
     for ax, title, unit in ((ax1, "aggregate throughput", "completion tokens/s"), (ax2, "p95 request latency", "s")):
         ax.set_xscale("log", base=2)

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import statistics
+import time
 from pathlib import Path
 
 import pytest
@@ -193,14 +194,14 @@ def test_without_plain_serial_outputs_are_not_compared_rather_than_shown_as_none
 
 
 class _ScriptedLoad:
-    """A load whose requests emit in a set order (threading events, no sleeps): ``a`` emits 5 tokens
-    and waits for ``c``; ``b`` emits 2 once ``a`` has, then ends, so its client starts ``c``, the last
-    item; ``c`` emits 3 and lets ``a`` emit its last 7."""
+    """A load whose requests emit in a set order: ``a`` emits 5 tokens, then waits for ``c`` to end
+    and emits its last 7 a while later; ``b`` emits 2 once ``a`` has, then ends, so its client
+    starts ``c``, the last item, which emits 3 and ends: that client then finds no item left."""
 
     def __init__(self):
         import threading
 
-        self.a_emitted, self.c_ran = threading.Event(), threading.Event()
+        self.a_emitted, self.c_done = threading.Event(), threading.Event()
 
     def warm(self, item):
         pass
@@ -212,7 +213,8 @@ class _ScriptedLoad:
         if item.id == "a":
             yield "step", 5
             self.a_emitted.set()
-            assert self.c_ran.wait(10)
+            assert self.c_done.wait(10)
+            time.sleep(0.5)  # c's client finds the queue empty in microseconds: well before this
             yield "step", 7
             yield "result", tuple(range(12))
         elif item.id == "b":
@@ -221,16 +223,30 @@ class _ScriptedLoad:
             yield "result", (0, 1)
         else:
             yield "step", 3
-            self.c_ran.set()
             yield "result", (0, 1, 2)
+            self.c_done.set()
 
 
-def test_the_steady_window_ends_when_the_last_item_starts():
+class _Steps:
+    def warm(self, item):
+        pass
+
+    def batch_stats(self):
+        return None
+
+    def stream(self, item):
+        yield "step", 4
+        yield "result", (0, 1, 2, 3)
+
+
+def test_the_steady_window_ends_when_fewer_than_c_are_in_flight():
     from types import SimpleNamespace as NS
 
     items = [NS(id=i) for i in "abc"]
     res = run_pass(_ScriptedLoad(), "x", items, 2)
-    assert res.tokens == 17 and res.steady_tokens == 7  # a's first 5 and b's 2, before c started
-    assert 0 < res.steady_seconds <= res.seconds
-    assert res.steady_tokens_per_s == pytest.approx(7 / res.steady_seconds)
-    assert run_pass(_ScriptedLoad(), "x", items, 3).steady_tokens_per_s is None  # never more items than C
+    assert res.tokens == 17 and res.steady_tokens == 10  # all but a's last 7, emitted after c's client left
+    assert 0 < res.steady_seconds < res.seconds
+    assert res.steady_tokens_per_s == pytest.approx(10 / res.steady_seconds)
+    alone = run_pass(_Steps(), "x", items, 1)  # one client: C=1 in flight until the end
+    assert alone.steady_tokens == alone.tokens == 12
+    assert run_pass(_Steps(), "x", items, 4).steady_tokens_per_s is None  # never four in flight

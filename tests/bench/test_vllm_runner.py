@@ -356,16 +356,19 @@ def test_closed_loop_keeps_at_most_c_in_flight_and_answers_every_request(concurr
 
 
 def test_closed_loop_counts_the_tokens_generated_while_c_were_in_flight():
-    """Until the last request is added (the bench's steady window): at C=2 over lengths 1, 2, 3, 1, 2
-    the fake engine has made 1 + 2 + 2 + 1 tokens when r3 ends and r4, the last, is added; a stop
-    token at the end of an output is not counted (the bench cuts it)."""
+    """Until the first step after which fewer than C were in flight (the bench's steady window): at
+    C=2 over lengths 1, 2, 3, 1, 2 the last request, r4, is added when r3 ends (step 3), and r2 ends
+    at step 4 with r4 one token in: 1 + 2 + 3 + 1 + 1 tokens. A stop token at the end of an output
+    is not counted (the bench cuts it)."""
     from draftmesh.bench.vllm_worker import run_closed_loop
 
     reqs = [{"id": f"r{i}", "max_new_tokens": 1 + i % 3} for i in range(5)]
     _, seconds, steady = run_closed_loop(_FakeEngine(), lambda r: r["max_new_tokens"], lambda r: None, reqs, 2)
-    assert steady["steady_tokens"] == 6 and 0 <= steady["steady_seconds"] <= seconds
+    assert steady["steady_tokens"] == 8 and 0 <= steady["steady_seconds"] <= seconds
     reqs[0]["stop_token_ids"] = [0]  # r0's one token is the fake engine's token 0
     _, _, steady = run_closed_loop(_FakeEngine(), lambda r: r["max_new_tokens"], lambda r: None, reqs, 2)
-    assert steady["steady_tokens"] == 5
+    assert steady["steady_tokens"] == 7
     _, _, steady = run_closed_loop(_FakeEngine(), lambda r: r["max_new_tokens"], lambda r: None, reqs, 5)
-    assert steady == {"steady_seconds": None, "steady_tokens": None}  # never more requests than C
+    assert steady["steady_tokens"] == 4  # all five at once; r0 and r3 end at the first step (r0's is a stop)
+    _, _, steady = run_closed_loop(_FakeEngine(), lambda r: r["max_new_tokens"], lambda r: None, reqs, 6)
+    assert steady == {"steady_seconds": None, "steady_tokens": None}  # never C requests in flight
