@@ -323,14 +323,8 @@ def run_concurrency(target, items: Sequence[PreparedItem], levels: Sequence[int]
                                           for r, c in target.batch_cost.items()},
                            "cost_curve": {str(k): round(v, 3) for k, v in target.cost_curve.items()},
                            "key_cost": dataclasses.asdict(target.key_cost) if target.key_cost else None,
-                           "same_run_ratios": {f"{a} / {b}": {str(c): {"ratio": round(v["ratio"], 3),
-                                                                        "runs": [round(x, 3) for x in v["runs"]]}
-                                                                for c, v in per_c.items()}
-                                               for (a, b), per_c in same_run_ratios(rows).items()},
-                           "steady_same_run_ratios": {f"{a} / {b}": {str(c): {"ratio": round(v["ratio"], 3),
-                                                                               "runs": [round(x, 3) for x in v["runs"]]}
-                                                                       for c, v in per_c.items()}
-                                                      for (a, b), per_c in same_run_ratios(rows, key="steady_tokens_per_s").items()}}
+                           "same_run_ratios": _ratios_json(rows, "tokens_per_s"),
+                           "steady_same_run_ratios": _ratios_json(rows, "steady_tokens_per_s")}
     if probe_tokens:
         progress(f"  prefill probe: {probe_tokens}-token prompt")
         out["prefill_probe"] = prefill_probe(target, engine, builder, min(probe_tokens, target.max_context - 16),
@@ -367,6 +361,13 @@ def same_run_ratios(rows: Sequence[Mapping[str, Any]], pairs: Sequence[tuple[str
                 runs = [row[key] / ref[key]]
             out.setdefault((a, b), {})[c] = {"ratio": statistics.median(runs), "runs": runs}
     return out
+
+
+def _ratios_json(rows: Sequence[Mapping[str, Any]], key: str) -> dict[str, dict[str, dict[str, Any]]]:
+    """``same_run_ratios`` of ``key`` as the report's JSON: "a / b" -> C -> {"ratio", "runs"}, rounded."""
+    return {f"{a} / {b}": {str(c): {"ratio": round(v["ratio"], 3), "runs": [round(x, 3) for x in v["runs"]]}
+                           for c, v in per_c.items()}
+            for (a, b), per_c in same_run_ratios(rows, key=key).items()}
 
 
 def mesh_ratios(rows: Sequence[Mapping[str, Any]]) -> dict[str, dict[int, float]]:

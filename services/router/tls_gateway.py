@@ -287,7 +287,7 @@ class TlsGateway:
         if not upstream:
             raise ValueError("upstream: must be a host:port address")
         old, self.upstream = self._channel, upstream
-        self._channel = grpc.aio.insecure_channel(upstream, options=self._options()) if self._server is not None else None
+        self._channel = self._upstream_channel() if self._server is not None else None
         if old is not None:
             await old.close()
 
@@ -310,6 +310,10 @@ class TlsGateway:
             ("grpc.max_send_message_length", self._max_message_bytes),
             ("grpc.max_receive_message_length", self._max_message_bytes),
         ]
+
+    def _upstream_channel(self) -> grpc.aio.Channel | None:
+        """A channel to the upstream (None while it is not named yet: ``connect``)."""
+        return grpc.aio.insecure_channel(self.upstream, options=self._options()) if self.upstream is not None else None
 
     async def start(self) -> int:
         """Binds the TLS port, connects to the upstream and starts serving; returns the port."""
@@ -335,8 +339,7 @@ class TlsGateway:
             raise OSError(f"TLS gateway could not bind {address}: {exc}") from exc
         if not bound:
             raise OSError(f"TLS gateway could not bind {address} (in use, or bad certificate/key?)")
-        if self.upstream is not None:
-            self._channel = grpc.aio.insecure_channel(self.upstream, options=self._options())
+        self._channel = self._upstream_channel()
         try:
             await server.start()
         except Exception:
