@@ -35,9 +35,15 @@ def load_unpacked(model: str) -> TorchTarget:
         packed_linear._kernel, packed_linear._looked = saved
 
 
+@compute.on_compute_thread
 def primed_cache(target: TorchTarget, forward, rows: int, context: int, room: int) -> SlotKVCache:
     """A slab of ``rows`` rows, each holding ``context`` cached tokens (prefilled through ``forward``),
-    with room for ``room`` more a row."""
+    with room for ``room`` more a row.
+
+    On the compute thread, whoever calls it: a prefill on the caller's thread gave that thread an
+    OpenMP team of its own for the rest of the process, and with more team threads than CPUs libgomp
+    stops every team's spinning (``draftmesh.compute``), so each forward the probe timed after it paid
+    a kernel wake-up per parallel region."""
     kv = target.new_batch_cache(max_bytes=1 << 40)
     kv.ensure(rows, context + room)
     for _ in range(rows):

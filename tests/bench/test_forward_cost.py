@@ -3,6 +3,8 @@ eight rows, as one row's chain and as one row's tree, each a valid forward of th
 
 from __future__ import annotations
 
+import threading
+
 import pytest
 from tiny_models import tiny_target
 
@@ -34,3 +36,22 @@ def test_bad_shape_contexts_are_a_usage_error_before_any_model_loads(capsys):
             main(["--shape-probe-only", "--model", "/nonexistent/model", "--shape-contexts", bad])
         assert exit_.value.code == 2
         assert "--shape-contexts" in capsys.readouterr().err
+
+
+def test_the_cache_is_primed_on_the_compute_thread_whoever_asks():
+    """A prefill on the probe's main thread would start a second OpenMP team and slow every forward
+    timed after it (``primed_cache``'s docstring)."""
+    from draftmesh import compute
+    from draftmesh.backend import TorchTarget
+    from draftmesh.bench.forward_cost import primed_cache
+
+    target = tiny_target("llama")
+    seen: list[int] = []
+
+    def forward(t, kv, inputs):
+        seen.append(threading.get_ident())
+        return TorchTarget.forward_batch.__wrapped__(t, kv, inputs)
+
+    kv = primed_cache(target, forward, rows=2, context=5, room=3)
+    assert kv.lengths == [5, 5]
+    assert seen and set(seen) == {compute.run(threading.get_ident)} != {threading.get_ident()}
