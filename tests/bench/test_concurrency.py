@@ -193,7 +193,21 @@ def test_without_plain_serial_outputs_are_not_compared_rather_than_shown_as_none
     assert len(table) == 2 and all(line.rstrip().endswith("-/3") for line in table), table
 
 
-class _ScriptedLoad:
+class _Steps:
+    """A load whose every request emits 4 tokens in one step."""
+
+    def warm(self, item):
+        pass
+
+    def batch_stats(self):
+        return None
+
+    def stream(self, item):
+        yield "step", 4
+        yield "result", (0, 1, 2, 3)
+
+
+class _ScriptedLoad(_Steps):
     """A load whose requests emit in a set order: ``a`` emits 5 tokens, then waits for ``c`` to end
     and emits its last 7 a while later; ``b`` emits 2 once ``a`` has, then ends, so its client
     starts ``c``, the last item, which emits 3 and ends: that client then finds no item left."""
@@ -202,12 +216,6 @@ class _ScriptedLoad:
         import threading
 
         self.a_emitted, self.c_done = threading.Event(), threading.Event()
-
-    def warm(self, item):
-        pass
-
-    def batch_stats(self):
-        return None
 
     def stream(self, item):
         if item.id == "a":
@@ -225,18 +233,6 @@ class _ScriptedLoad:
             yield "step", 3
             yield "result", (0, 1, 2)
             self.c_done.set()
-
-
-class _Steps:
-    def warm(self, item):
-        pass
-
-    def batch_stats(self):
-        return None
-
-    def stream(self, item):
-        yield "step", 4
-        yield "result", (0, 1, 2, 3)
 
 
 def test_the_steady_window_ends_when_fewer_than_c_are_in_flight():
