@@ -259,6 +259,12 @@ class BuilderConfig:
         3, min=1, help="requests in a step's batch from which its requests rest: in a smaller batch asking costs a "
                        "row ~0.5 ms and the trees pay the most, so every step asks"
     )
+    asking_probe_every: int = option(
+        8, min=0, help="from rest_min_rows requests, the steps measure whether asking the sources pays at each batch "
+                       "size (tokens per second of steps that asked against steps that asked nobody): where it does "
+                       "not, one step in this many asks; where it does, one in twice this many asks nobody (0 = every "
+                       "step asks, as the rests allow)"
+    )
     calibration_halflife: float = option(
         64.0, min=1, help="verified trees over which the realized / predicted accepted-token ratio that scales "
                           "every node's score halves its weight (the budget's back-off from optimistic estimates)"

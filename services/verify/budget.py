@@ -4,8 +4,10 @@
 (rows x tokens, measured at load), ``choose_nodes`` the rule that picks the nodes of every
 request of a step against them. The rest is what the scheduler learns while it runs, because
 the table is measured once, over uniform chains, on a box whose load moves: the step's time
-outside the forward (``StepOverhead``) and what trees really cost beyond the table
-(``TreeCostCorrection``). The tree builder scores the nodes; this module only weighs them.
+outside the forward (``StepOverhead``), what trees really cost beyond the table
+(``TreeCostCorrection``), and whether asking the sources pays at all at a batch size
+(``AskingValue``), which the budget cannot see from the nodes it is offered. The tree builder
+scores the nodes; this module only weighs them.
 """
 
 from __future__ import annotations
@@ -212,6 +214,63 @@ class TreeCostCorrection:
             return 1.0
         lo, hi = self.bounds
         return min(hi, max(lo, (entry[0] + self.prior) / (entry[1] + self.prior)))
+
+
+class AskingValue:
+    """Whether asking the sources pays at a batch size, measured on the steps themselves.
+
+    The budget weighs a step's nodes once the sources have answered; what it cannot weigh is the
+    asking itself, paid before any tree exists and whether or not one is kept, nor what the trees
+    add to the step outside its forward. Measured on a 2-core AMD box at C=8 over the 30 public
+    items: a scratch switch that never asked at 6 rows or more read 0.99x plain where the default
+    read 0.92-0.95x, while a model of each ask's gain (its accepted tree tokens against its trees'
+    share of the forward and its asking time, at the step's plain rate) read +0.03 tokens an ask at
+    8 rows: about even, as the budget meant, but blind to the rest of what asking costs a step
+    (1.7 ms more outside the forward than plain's, of 0.5 ms asking per asked request). So nothing
+    is modelled here: per batch size (the step's active requests), decayed sums of the tokens and
+    the wall time of steady steps without prompt chunks, apart for steps that asked the sources
+    (as the rests allow) and steps that asked nobody, and asking pays unless its steps make less
+    than ``1 - slack`` of the others' tokens per second: a batch size where asking pays a little
+    (measured at C=4: asking steps 4% to 19% above the silent ones, run to run) must not be turned
+    off by the noise of a few steps, and where it does not pay it loses clearly (8 rows: 17% below). A batch size without ``min_steps`` (decayed) steps of
+    both kinds behind it reads the nearest one that has them. The scheduler keeps both measured:
+    until a decision, every other step asks; then where asking pays one step in ``2 n`` asks
+    nobody, and where it does not one step in ``n`` asks (``builder.asking_probe_every``). A step
+    in which a request asks for the first time is not measured: its sources' first call builds the
+    request's state (history indexes the prompt and looks up its remembered answers), which, where
+    asking does not pay, would all land on the few steps that ask and count against asking."""
+
+    def __init__(self, halflife: float = 64.0, min_steps: float = 8.0, slack: float = 0.05) -> None:
+        self.decay = 0.5 ** (1 / halflife)
+        self.min_steps = min_steps
+        self.slack = slack
+        """Asking pays unless its steps make less than ``1 - slack`` of the silent steps' rate."""
+        self.asking: dict[int, list[float]] = {}
+        """rows -> decayed [tokens, seconds, steps] of the steps that asked."""
+        self.silent: dict[int, list[float]] = {}
+        """rows -> the same for the steps that asked nobody."""
+
+    def record(self, rows: int, asked: bool, tokens: int, seconds: float) -> None:
+        """A steady step without prompt chunks at ``rows``: whether it asked, its tokens and wall time."""
+        entry = (self.asking if asked else self.silent).setdefault(rows, [0.0, 0.0, 0.0])
+        d = self.decay
+        entry[0] = entry[0] * d + tokens
+        entry[1] = entry[1] * d + seconds
+        entry[2] = entry[2] * d + 1.0
+
+    def rates(self, rows: int) -> tuple[float, float] | None:
+        """Tokens per second of the asking and the silent steps at ``rows``; None until both are measured."""
+        a, s = self.asking.get(rows), self.silent.get(rows)
+        if a is None or s is None or min(a[2], s[2]) < self.min_steps or a[1] <= 0 or s[1] <= 0:
+            return None
+        return a[0] / a[1], s[0] / s[1]
+
+    def pays(self, rows: int) -> bool | None:
+        """Whether asking pays at ``rows``: measured there, else as at the nearest batch size measured
+        (the smaller on a tie), else None (nothing measured yet)."""
+        measured = {r: rates for r in self.asking if (rates := self.rates(r)) is not None}
+        rates = measured.get(rows) or _nearest(measured, rows)
+        return None if rates is None else rates[0] >= (1.0 - self.slack) * rates[1]
 
 
 def key_price(slope: float | None, cache_len: int, context: int) -> float:

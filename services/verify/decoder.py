@@ -71,10 +71,11 @@ class SpeculativeDecoder:
         rest_after: int = BuilderConfig.rest_after,
         max_rest: int = BuilderConfig.max_rest,
         rest_min_rows: int = BuilderConfig.rest_min_rows,
+        asking_probe_every: int = BuilderConfig.asking_probe_every,
     ) -> None:
-        if rest_after < 0 or max_rest < 1 or rest_min_rows < 1:
-            raise ValueError(f"need rest_after >= 0, max_rest >= 1 and rest_min_rows >= 1, got {rest_after}, "
-                             f"{max_rest}, {rest_min_rows}")
+        if rest_after < 0 or max_rest < 1 or rest_min_rows < 1 or asking_probe_every < 0:
+            raise ValueError(f"need rest_after >= 0, max_rest >= 1, rest_min_rows >= 1 and asking_probe_every >= 0, "
+                             f"got {rest_after}, {max_rest}, {rest_min_rows}, {asking_probe_every}")
         self.target = target
         self.rest_after = rest_after
         """Dry steps before a request rests its sources (0: never rest; see ``ask_sources``)."""
@@ -82,6 +83,9 @@ class SpeculativeDecoder:
         """The longest rest, in steps (rests grow 1, 2, 4, ... up to it, one probe between two)."""
         self.rest_min_rows = rest_min_rows
         """Requests in a step's batch from which they rest: a smaller batch asks at every step."""
+        self.asking_probe_every = asking_probe_every
+        """Where asking has not paid at the batch's size lately (``AskingValue``), one step in this many
+        asks; where it has, one in twice this many asks nobody (0: every step asks, as the rests allow)."""
         self.max_document_tokens = max_document_tokens
         """Target tokens of all of a request's documents together (``limits.max_document_tokens``)."""
         self._documents_ok: Sequence[str] | None = None
@@ -295,6 +299,8 @@ class SpeculativeDecoder:
             "active_rows": kv.rows, "kv_bytes_allocated": kv.allocated_bytes, "kv_bytes_used": kv.used_bytes,
             "kv_budget_bytes": sched.limits.kv_budget_bytes,
             "tree_cost_factors": {str(r): round(f, 3) for r, f in sched.tree_cost_factors().items()},
+            "asking_rates": {str(r): [round(v, 1) for v in rates] for r in sorted(sched.asking.asking)
+                             if (rates := sched.asking.rates(r)) is not None},
         }
 
     def sizes(self) -> dict[str, int]:
@@ -321,10 +327,12 @@ class SpeculativeDecoder:
         return out
 
     # ------------------------------------------------------------------ a request's part of a step
-    def ask_sources(self, run: RequestRun, batch_rows: int = 1) -> bool:
+    def ask_sources(self, run: RequestRun, batch_rows: int = 1, asking: bool | None = None) -> bool:
         """Start the request's source calls for this step; False when it drafts nothing this step
         (the plan then holds a fixed tree or none). ``batch_rows``: the requests in this step's
-        batch (whether it may rest its sources). A step asks every request's sources first, then
+        batch (whether it may rest its sources). ``asking``: False when the step asks nobody (the
+        scheduler's ``AskingValue``: asking has not paid at this batch size lately, or the step
+        measures what a step without asking makes). A step asks every request's sources first, then
         collects them (``candidates``) against one deadline."""
         req, plan = run.req, run.plan
         spec = req.speculation
@@ -342,6 +350,8 @@ class SpeculativeDecoder:
         cooling = getattr(self.builder, "cooling_down", None)
         if cooling is not None and cooling(req.request_id):  # its trees kept failing: plain, nobody asked
             return False
+        if asking is False:  # a step that asks nobody: the rest above still counts down
+            return False
         t0 = time.perf_counter()
         plan.draft_span = self._tracer.start_span("draft", context=trace.set_span_in_context(plan.span))
         try:
@@ -354,6 +364,7 @@ class SpeculativeDecoder:
             raise
         plan.may_rest = may_rest
         plan.draft_s = time.perf_counter() - t0
+        run.asks += 1
         return True
 
     def candidates(self, run: RequestRun, cache_len: int, deadline_at: float | None) -> ScoredTree | None:

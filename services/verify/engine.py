@@ -66,7 +66,8 @@ def build_decoder(
                               source_deadline_s=source_deadline_s, kv_pool=kv_pool, trace_steps=trace_steps,
                               batch_limits=batch_limits, batch_observer=batch_observer,
                               max_document_tokens=max_document_tokens, rest_after=config.rest_after,
-                              max_rest=config.max_rest, rest_min_rows=config.rest_min_rows)
+                              max_rest=config.max_rest, rest_min_rows=config.rest_min_rows,
+                              asking_probe_every=config.asking_probe_every)
 
 
 def load_target(cfg: EngineConfig) -> TorchTarget:

@@ -79,6 +79,8 @@ class RequestRun:
         """Steps left that decode without asking any source."""
         self.rests = 0
         """Rests since the last proposal: the next one lasts ``min(max_rest, 2 ** rests)`` steps."""
+        self.asks = 0
+        """Steps at which its sources were asked (``SpeculativeDecoder.ask_sources``)."""
         self.prepared: dict[str, Any] = {}
         """Source name -> its per-request state (``PreparingSource.prepare``), released at the end."""
 

@@ -35,8 +35,8 @@ from draftmesh import compute
 from draftmesh.backend import COST_CONTEXT, ForwardInterrupted, KVState
 from draftmesh.batch_kv import SlotKVCache
 from draftmesh.io_struct import GenerationRequest, GenerationResult, StepEvent
-from draftmesh.verify.budget import (BatchCost, CostModel, ScoredTree, StepOverhead, TreeCostCorrection, choose_nodes,
-                                     key_price)
+from draftmesh.verify.budget import (AskingValue, BatchCost, CostModel, ScoredTree, StepOverhead, TreeCostCorrection,
+                                     choose_nodes, key_price)
 from draftmesh.verify.request_run import RequestRun, StepPlan
 
 log = logging.getLogger(__name__)
@@ -112,6 +112,10 @@ class BatchScheduler:
         self._cost: BatchCost | None = None
         self._overhead: StepOverhead | None = None
         self._correction: TreeCostCorrection | None = None
+        self.asking = AskingValue()
+        """Whether asking the sources pays, per batch size, measured on the steps (``_asks_this_step``)."""
+        self._turns: dict[int, int] = {}
+        """rows -> steps at that batch size: which of them probe."""
 
     # ------------------------------------------------------------------ callers
     def submit(self, run: RequestRun) -> Ticket:
@@ -228,9 +232,13 @@ class BatchScheduler:
         # Every request's sources are asked first, then collected against one deadline: the step
         # waits at most one source deadline whatever its batch, and the calls' hand-offs overlap.
         asked: list[tuple[Ticket, bool]] = []
+        asking = self._asks_this_step(len(runs))
+        first_asks = False  # a request's first ask builds its sources' state: not what asking costs a step
         for t in to_draft:  # the last prefill chunk, the root and a tree can share one forward
             try:
-                asked.append((t, decoder.ask_sources(t.run, len(runs))))
+                drafting = decoder.ask_sources(t.run, len(runs), asking=asking)
+                asked.append((t, drafting))
+                first_asks = first_asks or (drafting and t.run.asks == 1)
             except Exception as exc:  # one request's fault: it fails, the batch goes on
                 self._fail(t, exc)
         deadline_at = decoder.caller.deadline_at()
@@ -306,6 +314,7 @@ class BatchScheduler:
             return True
         verify_s = time.perf_counter() - t0
         speculating = sum(1 for t in stepping if t.run.plan is not None and len(t.run.plan.tree))
+        emitted = 0
         for t, base, lg in zip(stepping, bases, logits):
             t.interrupted = False
             run = t.run
@@ -317,6 +326,7 @@ class BatchScheduler:
                 if event is not None:
                     decoder.observe_step(run, plan, len(stepping), t0_ns)
                     t.events.append(event)
+                    emitted += event.record.emitted
                 if run.finish is not None:
                     self._finish(t)
             except Exception as exc:
@@ -332,6 +342,8 @@ class BatchScheduler:
         step_s = time.perf_counter() - t_step
         st.step_s_total += step_s
         self._step_overhead().record(step_s, verify_s, len(inputs), steady=steady)
+        if steady and chunk_tokens == 0 and asking is not None and not first_asks:
+            self.asking.record(len(runs), asking, emitted, step_s)
         if chunk_tokens == 0:  # see TreeCostCorrection: a prompt chunk's error swamps a tree's part
             self._tree_correction().record(self._batch_cost(), len(inputs), tokens - kept, tokens, verify_s,
                                            base_keys=sum(price[id(t)][0] + price[id(t)][1] * (len(i.tokens) - 1)
@@ -474,6 +486,24 @@ class BatchScheduler:
         if slopes is None:
             return 0.0, 0.0
         return key_price(slopes.row, cached, COST_CONTEXT), key_price(slopes.token, cached, COST_CONTEXT)
+
+    def _asks_this_step(self, rows: int) -> bool | None:
+        """Whether this step's requests may ask their sources (as their rests allow): always in a batch
+        smaller than ``rest_min_rows`` or with ``asking_probe_every`` 0 (then None: nothing to
+        measure); else as ``AskingValue`` says asking pays at ``rows`` (every other step until it
+        knows), with one step in twice ``asking_probe_every`` asking nobody where it pays and one in
+        ``asking_probe_every`` asking where it does not, so that both stay measured."""
+        decoder = self.decoder
+        every = decoder.asking_probe_every
+        if not every or not decoder.sources or rows < decoder.rest_min_rows or not decoder.rest_after:
+            return None
+        turn = self._turns[rows] = self._turns.get(rows, 0) + 1
+        pays = self.asking.pays(rows)
+        if pays is None:  # nothing measured yet: both kinds of step in turn
+            return turn % 2 == 1
+        if pays:
+            return turn % (2 * every) != 0
+        return turn % every == 0
 
     def _chunk_price(self) -> float:
         """A prefill chunk's token against one of the budget's table (which has logits for every

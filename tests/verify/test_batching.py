@@ -370,7 +370,8 @@ def _three_scripted_requests(tiny, builder, seed: int):
     its results and the outputs wanted (plain batch-1 greedy)."""
     rng = random.Random(seed)
     script = PerRequestScript(tiny.vocab_size, seed=seed)
-    decoder = SpeculativeDecoder(tiny, [script], builder)
+    # every step asks (no measured switch, ``AskingValue``): what the budget is given at each one
+    decoder = SpeculativeDecoder(tiny, [script], builder, asking_probe_every=0)
     schedule, want = [], {}
     for i in range(3):
         prompt = random_prompt(rng, tiny.vocab_size)

@@ -7,8 +7,8 @@ import random
 import pytest
 
 from draftmesh.tree import DraftSequence, TokenTree
-from draftmesh.verify.budget import (BatchCost, CostModel, ScoredTree, StepOverhead, TreeCostCorrection, choose_nodes,
-                                     key_price)
+from draftmesh.verify.budget import (AskingValue, BatchCost, CostModel, ScoredTree, StepOverhead, TreeCostCorrection,
+                                     choose_nodes, key_price)
 from draftmesh.verify.tree_builder import CostAwareTreeBuilder
 
 CURVE = {1: 1.0, 2: 1.1, 4: 1.4, 8: 1.8, 16: 2.1, 32: 2.6, 64: 3.7}
@@ -266,3 +266,40 @@ def test_tree_cost_correction_counts_the_rows_caches_as_the_budget_prices_them()
             corr.record(_table, 8, 8, 20, unit * (1.0 + base_keys + 12 * (0.05 + per_token)), **tree_keys)
     assert priced.scale(8) == pytest.approx(1.0) and priced.factor(8) == pytest.approx(1.0, rel=0.02)
     assert blind.factor(8) > 1.3
+
+
+def test_asking_pays_until_both_kinds_of_step_are_measured():
+    """No decision before min_steps steps of each kind at a batch size (None); then asking pays unless
+    its steps make less than 1 - slack of the silent steps' tokens per second."""
+    value = AskingValue(min_steps=4, slack=0.05)
+    assert value.pays(8) is None and value.rates(8) is None
+    for _ in range(10):
+        value.record(8, True, tokens=8, seconds=0.040)  # 200 tokens/s while asking
+    for _ in range(3):
+        value.record(8, False, tokens=8, seconds=0.025)  # 320 tokens/s without
+    assert value.pays(8) is None and value.rates(8) is None  # three silent steps: not measured yet
+    for _ in range(2):  # 4 and more, decayed
+        value.record(8, False, tokens=8, seconds=0.025)
+    assert value.rates(8) == pytest.approx((200.0, 320.0)) and value.pays(8) is False
+    slightly = AskingValue(min_steps=4, slack=0.05)
+    for _ in range(8):  # asking 3% below the silent steps: within the slack, it still pays
+        slightly.record(4, True, tokens=97, seconds=0.5)
+        slightly.record(4, False, tokens=100, seconds=0.5)
+    assert slightly.pays(4) is True
+
+
+def test_asking_value_is_kept_per_batch_size_and_follows_the_load():
+    """Asking that does not pay at 8 rows says nothing of 4 rows; a batch size not measured reads the
+    nearest measured one; once the asking steps at 8 rows make more tokens a second than the silent
+    ones (sources that start copying), asking pays there again."""
+    value = AskingValue(halflife=16, min_steps=2)
+    for _ in range(20):
+        value.record(8, True, tokens=8, seconds=0.040)
+        value.record(8, False, tokens=8, seconds=0.030)
+        value.record(4, True, tokens=7, seconds=0.030)
+        value.record(4, False, tokens=4, seconds=0.022)
+    assert value.pays(8) is False and value.pays(4) is True
+    assert value.pays(7) is False and value.pays(5) is True and value.pays(6) is True  # a tie reads the smaller
+    for _ in range(40):  # the trees start paying at 8 rows: 16 tokens a 40 ms step
+        value.record(8, True, tokens=16, seconds=0.040)
+    assert value.pays(8) is True

@@ -2,9 +2,13 @@
 decode plainly without asking, in growing rests of 1, 2, then 4 steps with one probe between, so
 a batch does not pay every row's source calls for rows with nothing to copy; a draft found by a
 probe ends the rest. Only in a batch of ``builder.rest_min_rows`` requests or more, and a request
-in the builder's cool-down is not asked either. Output stays plain greedy's."""
+in the builder's cool-down is not asked either. In such a batch the steps also measure whether
+asking pays at all at its size (``AskingValue``), and where it does not, most steps ask nobody.
+Output stays plain greedy's."""
 
 from __future__ import annotations
+
+import time
 
 import pytest
 from batch_driver import drive, reference_greedy
@@ -45,7 +49,8 @@ def test_a_silent_source_is_rested_and_a_probe_that_finds_drafts_ends_the_rest(l
     reference = list(SpeculativeDecoder(llama).generate(req).token_ids)
     assert len(reference) == 48
     source = Counting(reference, wake=30)
-    result = SpeculativeDecoder(llama, [source], TrieBuilder(max_nodes=8), rest_min_rows=1).generate(req)
+    result = SpeculativeDecoder(llama, [source], TrieBuilder(max_nodes=8), rest_min_rows=1,
+                                asking_probe_every=0).generate(req)  # the rests alone: every step may ask
     assert list(result.token_ids) == reference  # resting changes the speed, never the output
     silent = [n for n in source.asked_at if n < 30]
     # dry 4 steps (asked at 0..3), rest 1 (4), probe 5, rest 2 (6, 7), probe 8, rest 4 (9..12), probe 13, ...
@@ -70,7 +75,7 @@ def test_rests_follow_the_builder_config(llama):
     req = GenerationRequest(prompt_ids=(5, 6, 7, 8), max_new_tokens=48)
     reference = list(SpeculativeDecoder(llama).generate(req).token_ids)
     source = Counting(reference, wake=30)
-    config = BuilderConfig(rest_after=2, max_rest=2, rest_min_rows=1)
+    config = BuilderConfig(rest_after=2, max_rest=2, rest_min_rows=1, asking_probe_every=0)
     decoder = build_decoder(llama, [], builder_config=config, extra_sources=[source], source_deadline_s=None)
     assert list(decoder.generate(req).token_ids) == reference
     # dry at 0, 1; rest 1 (2), probe 3, rest 2 (4, 5), probe 6, rest 2 (7, 8), probe 9, ...
@@ -95,7 +100,7 @@ def test_requests_rest_only_in_a_batch_of_rest_min_rows(llama, requests, rests):
     """``builder.rest_min_rows`` (3 by default): one or two requests ask at every step (asking
     costs a row ~0.5 ms and the trees pay the most there); from three on, a dry request rests."""
     source = Silent()
-    decoder = SpeculativeDecoder(llama, [source], TrieBuilder(max_nodes=8))
+    decoder = SpeculativeDecoder(llama, [source], TrieBuilder(max_nodes=8), asking_probe_every=0)
     reqs = [GenerationRequest(prompt_ids=(5, 6, 7, 8 + i), max_new_tokens=24, request_id=f"r{i}") for i in range(requests)]
     results, rows = drive(decoder, [(0, req, None) for req in reqs])
     assert max(rows) == requests
@@ -105,7 +110,8 @@ def test_requests_rest_only_in_a_batch_of_rest_min_rows(llama, requests, rests):
         assert asked == ([0, 1, 2, 3, 5, 8, 13, 18] if rests else list(range(23))), asked  # the last token: nobody asked
 
 
-@pytest.mark.parametrize("field, value", [("rest_after", -1), ("max_rest", 0), ("rest_min_rows", 0)])
+@pytest.mark.parametrize("field, value", [("rest_after", -1), ("max_rest", 0), ("rest_min_rows", 0),
+                                          ("asking_probe_every", -1)])
 def test_bad_rest_settings_name_their_field(field, value):
     with pytest.raises(ValueError, match=f"builder.{field}"):
         BuilderConfig(**{field: value})
@@ -166,9 +172,98 @@ def test_a_request_whose_drafts_the_budget_keeps_none_of_rests_its_sources(llama
     reqs = [GenerationRequest(prompt_ids=(5, 6, 7, 8 + i), max_new_tokens=24, request_id=f"r{i}") for i in range(3)]
     refs = {r.request_id: list(reference_greedy(llama, r.prompt_ids, 24)) for r in reqs}
     source = Always(refs)
-    decoder = SpeculativeDecoder(llama, [source], CostAwareTreeBuilder({1: 1.0, 2: 1.05, 8: 1.1, 64: 2.0}))
+    decoder = SpeculativeDecoder(llama, [source], CostAwareTreeBuilder({1: 1.0, 2: 1.05, 8: 1.1, 64: 2.0}),
+                                 asking_probe_every=0)  # the rests alone
     results, rows = drive(decoder, [(0, req, None) for req in reqs])
     assert max(rows) == 3
     for i, req in enumerate(reqs):
         assert list(results[i].token_ids) == refs[req.request_id]
         assert source.asked[req.request_id] == [0, 1, 2, 3, 5, 8, 13, 18]
+
+
+class Sleepy:
+    """Never drafts, and takes ``delay_s`` to say so: asking it only costs the step time."""
+
+    name = "sleepy"
+
+    def __init__(self, delay_s: float) -> None:
+        self.delay_s = delay_s
+        self.calls = 0
+
+    def propose(self, ctx: DraftContext) -> list[Proposal]:
+        self.calls += 1
+        time.sleep(self.delay_s)
+        return []
+
+
+class Oracle:
+    """Drafts each request's next 4 true tokens (known by request id)."""
+
+    name = "oracle"
+
+    def __init__(self) -> None:
+        self.truth: dict[str, tuple[int, ...]] = {}
+        self.calls = 0
+
+    def propose(self, ctx: DraftContext) -> list[Proposal]:
+        self.calls += 1
+        draft = self.truth[ctx.request_id][len(ctx.generated_ids):][:4]
+        return [Proposal(self.name, token_ids=draft, confidence=1.0)] if draft else []
+
+
+def _four_requests(llama, max_new: int):
+    reqs = [GenerationRequest(prompt_ids=(5, 6, 7, 9 + i), max_new_tokens=max_new, request_id=f"r{i}")
+            for i in range(4)]
+    return reqs, {r.request_id: reference_greedy(llama, r.prompt_ids, max_new) for r in reqs}
+
+
+@pytest.mark.parametrize("probe_every", [0, 4])
+def test_where_asking_only_costs_time_the_batch_stops_asking(llama, probe_every):
+    """Four requests whose source answers nothing, after 10 ms (and never rests: ``rest_after`` is
+    longer than the run). Every other step asks until both kinds of step are measured; the steps
+    that ask are far slower than those that ask nobody, so asking stops paying at 4 rows and from
+    then on one step in ``asking_probe_every`` asks. With 0 every step asks. Outputs stay plain
+    greedy's either way."""
+    source = Sleepy(0.01)
+    decoder = SpeculativeDecoder(llama, [source], TrieBuilder(max_nodes=8), rest_after=10_000,
+                                 asking_probe_every=probe_every)
+    reqs, want = _four_requests(llama, 96)
+    results, rows = drive(decoder, [(0, req, None) for req in reqs])
+    assert {r.request_id: tuple(results[i].token_ids) for i, r in enumerate(reqs)} == want
+    every_step = 4 * 95  # each request, at every step but its last (nothing left to draft for)
+    asking = decoder.scheduler.asking
+    if not probe_every:
+        assert source.calls == every_step and asking.rates(4) is None
+        return
+    asks, silent = asking.rates(4)
+    assert silent > 2 * asks and asking.pays(4) is False
+    assert asking.silent[4][2] > 1.5 * asking.asking[4][2]  # once measured, 3 steps in 4 asked nobody
+    assert source.calls < 0.6 * every_step
+    assert decoder.batch_stats()["asking_rates"]["4"] == [round(asks, 1), round(silent, 1)]
+
+
+def test_where_asking_pays_the_batch_goes_on_asking(llama):
+    """The same four requests with a source that drafts their true continuations: the steps that ask
+    make several times the tokens per second of the steps that ask nobody, so once both are measured
+    every step asks but the one in ``2 * asking_probe_every`` (16) that measures a silent step."""
+    source = Oracle()
+    decoder = SpeculativeDecoder(llama, [source], TrieBuilder(max_nodes=8))
+    reqs, want = _four_requests(llama, 200)
+    source.truth = want
+    results, _ = drive(decoder, [(0, req, None) for req in reqs])
+    assert {r.request_id: tuple(results[i].token_ids) for i, r in enumerate(reqs)} == want
+    asking = decoder.scheduler.asking
+    asks, silent = asking.rates(4)
+    assert asks > 2 * silent and asking.pays(4) is True
+    assert asking.asking[4][2] > 2 * asking.silent[4][2]
+
+
+def test_a_batch_smaller_than_rest_min_rows_always_asks(llama):
+    """Two requests (below ``builder.rest_min_rows``, 3) with the slow silent source: every step asks,
+    and nothing is measured."""
+    source = Sleepy(0.005)
+    decoder = SpeculativeDecoder(llama, [source], TrieBuilder(max_nodes=8), rest_after=10_000, asking_probe_every=2)
+    reqs, want = _four_requests(llama, 24)
+    results, _ = drive(decoder, [(0, req, None) for req in reqs[:2]])
+    assert source.calls == 2 * 23
+    assert not decoder.scheduler.asking.asking and not decoder.scheduler.asking.silent
