@@ -222,23 +222,24 @@ class AskingValue:
     The budget weighs a step's nodes once the sources have answered; what it cannot weigh is the
     asking itself, paid before any tree exists and whether or not one is kept, nor what the trees
     add to the step outside its forward. Measured on a 2-core AMD box at C=8 over the 30 public
-    items: a scratch switch that never asked at 6 rows or more read 0.99x plain where the default
-    read 0.92-0.95x, while a model of each ask's gain (its accepted tree tokens against its trees'
-    share of the forward and its asking time, at the step's plain rate) read +0.03 tokens an ask at
-    8 rows: about even, as the budget meant, but blind to the rest of what asking costs a step
-    (1.7 ms more outside the forward than plain's, of 0.5 ms asking per asked request). So nothing
-    is modelled here: per batch size (the step's active requests), decayed sums of the tokens and
-    the wall time of steady steps without prompt chunks, apart for steps that asked the sources
-    (as the rests allow) and steps that asked nobody, and asking pays unless its steps make less
-    than ``1 - slack`` of the others' tokens per second: a batch size where asking pays a little
-    (measured at C=4: asking steps 4% to 19% above the silent ones, run to run) must not be turned
-    off by the noise of a few steps, and where it does not pay it loses clearly (8 rows: 17% below). A batch size without ``min_steps`` (decayed) steps of
-    both kinds behind it reads the nearest one that has them. The scheduler keeps both measured:
-    until a decision, every other step asks; then where asking pays one step in ``2 n`` asks
-    nobody, and where it does not one step in ``n`` asks (``builder.asking_probe_every``). A step
-    in which a request asks for the first time is not measured: its sources' first call builds the
-    request's state (history indexes the prompt and looks up its remembered answers), which, where
-    asking does not pay, would all land on the few steps that ask and count against asking."""
+    items (2026-12-06/07): a scratch switch that never asked at 6 rows or more read 0.94-1.00x
+    plain where the default read 0.91-0.95x, while a model of each ask's gain (its accepted tree
+    tokens against its trees' share of the forward and its asking time, at the step's plain rate)
+    read +0.03 tokens an ask at 8 rows: about even, as the budget meant, but blind to the rest of
+    what asking costs a step (1.7 ms more outside the forward than plain's, of which 0.5 ms an
+    asked request is the asking). So nothing is modelled here: per batch size (the step's active
+    requests), decayed sums of the tokens and the wall time of steady steps without prompt chunks,
+    apart for steps that asked the sources (as the rests allow) and steps that asked nobody.
+    Asking pays unless its steps make less than ``1 - slack`` of the others' tokens per second: a
+    batch size where it pays a little (at 4 rows its steps read 4% to 19% above the silent ones,
+    run to run) must not be turned off by the noise of a few steps, and where it does not pay it
+    loses clearly (8 rows: 8-17% below). A batch size without ``min_steps`` (decayed) steps of both
+    kinds behind it reads the nearest one that has them. The scheduler keeps both measured: until
+    a decision every other step asks; then where asking pays one step in ``2 n`` asks nobody, and
+    where it does not one step in ``n`` asks (``builder.asking_probe_every``). A step in which a
+    request asks for the first time is not measured: its sources' first call builds the request's
+    state (history indexes the prompt and looks up its remembered answers), which, where asking
+    does not pay, would all land on the few steps that ask and count against asking."""
 
     def __init__(self, halflife: float = 64.0, min_steps: float = 8.0, slack: float = 0.05) -> None:
         self.decay = 0.5 ** (1 / halflife)

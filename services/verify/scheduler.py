@@ -3,7 +3,8 @@
 Each step the scheduler (1) drops cancelled requests and admits waiting ones in arrival
 order while the KV budget allows, (2) gives prefilling requests chunks of their prompt
 (bounded tokens per forward, so a long prompt never stalls the others' decoding), (3) asks
-each decoding request's sources and builds its candidate tree, (4) picks the batch's nodes
+each decoding request's sources (where asking pays at the batch's size: ``AskingValue``) and
+builds its candidate tree, (4) picks the batch's nodes
 with one budget (``choose_nodes``: expected committed tokens of the whole batch per unit of
 step time: the batched forward's measured cost, plus what recent steps spent outside their
 forward), (5) runs one forward over every row, (6) lets each
