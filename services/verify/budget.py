@@ -269,8 +269,9 @@ class AskingValue:
     def pays(self, rows: int) -> bool | None:
         """Whether asking pays at ``rows``: measured there, else as at the nearest batch size measured
         (the smaller on a tie), else None (nothing measured yet)."""
-        measured = {r: rates for r in self.asking if (rates := self.rates(r)) is not None}
-        rates = measured.get(rows) or _nearest(measured, rows)
+        rates = self.rates(rows)
+        if rates is None:
+            rates = _nearest({r: rates for r in self.asking if (rates := self.rates(r)) is not None}, rows)
         return None if rates is None else rates[0] >= (1.0 - self.slack) * rates[1]
 
 

@@ -327,6 +327,11 @@ class SpeculativeDecoder:
         return out
 
     # ------------------------------------------------------------------ a request's part of a step
+    def rests_at(self, batch_rows: int) -> bool:
+        """Whether requests in a batch of ``batch_rows`` may rest their sources (and the scheduler
+        measures whether asking pays at that size): resting on, from ``rest_min_rows`` requests."""
+        return self.rest_after > 0 and batch_rows >= self.rest_min_rows
+
     def ask_sources(self, run: RequestRun, batch_rows: int = 1, asking: bool | None = None) -> bool:
         """Start the request's source calls for this step; False when it drafts nothing this step
         (the plan then holds a fixed tree or none). ``batch_rows``: the requests in this step's
@@ -341,7 +346,7 @@ class SpeculativeDecoder:
             plan.span = self._tracer.start_span("step", context=trace.set_span_in_context(run.span))
         if not (spec.enabled and active and spec.max_nodes != 0 and run.remaining > 1):
             return False
-        may_rest = self.rest_after > 0 and batch_rows >= self.rest_min_rows
+        may_rest = self.rests_at(batch_rows)
         if run.rest > 0:  # no source had a draft for this request lately: a plain step, nobody asked
             if may_rest:
                 run.rest -= 1

@@ -496,7 +496,7 @@ class BatchScheduler:
         ``asking_probe_every`` asking where it does not, so that both stay measured."""
         decoder = self.decoder
         every = decoder.asking_probe_every
-        if not every or not decoder.sources or rows < decoder.rest_min_rows or not decoder.rest_after:
+        if not every or not decoder.sources or not decoder.rests_at(rows):
             return None
         turn = self._turns[rows] = self._turns.get(rows, 0) + 1
         pays = self.asking.pays(rows)
