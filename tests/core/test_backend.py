@@ -103,6 +103,28 @@ def test_cost_curve_is_relative_to_a_single_token_step(tiny):
     assert tiny.step_seconds and tiny.step_seconds > 0
 
 
+def test_the_cheap_shapes_and_the_unit_are_timed_twice_a_round(tiny, monkeypatch):
+    """Every point of the tables is divided by the one-token unit and the budget reads the small
+    shapes most: they get twice the samples of the big ones (``CHEAP_COST_TOKENS``)."""
+    from collections import Counter
+
+    from draftmesh.backend import CHEAP_COST_TOKENS
+
+    shapes = Counter()
+    real = tiny.forward_batch
+    monkeypatch.setattr(tiny, "forward_batch", lambda kv, inputs, **k: (
+        shapes.update([(len(inputs), len(inputs[0].tokens))]) if inputs[0].logits_from == 0 else None, real(kv, inputs, **k))[1])
+    tiny.measure_batch_cost(rows=(2, 8), per_row=(1, 4), context=8, repeats=2)
+    assert shapes == {(1, 1): 6, (2, 1): 6, (2, 4): 6, (8, 1): 6, (8, 4): 3}
+    assert 8 * 4 > CHEAP_COST_TOKENS >= 8 * 1
+    tokens = Counter()
+    real_tree = tiny.forward_tree
+    monkeypatch.setattr(tiny, "forward_tree", lambda state, root, tree, **k: (
+        tokens.update([1 + len(tree)]), real_tree(state, root, tree, **k))[1])
+    tiny.measure_cost_curve(sizes=(1, 4, 32), context=40, repeats=2)
+    assert tokens == {1: 6, 4: 6, 32: 3}
+
+
 def test_a_rows_longer_cache_is_measured_as_a_cost_per_token_and_key():
     """Where attention dominates (a small model of wide heads, 2048 cached keys against 128), the
     same forwards over the longer cache cost more: the row's first token and its further ones each
