@@ -50,7 +50,8 @@ def _twice_if_cheap(shapes: Sequence, tokens: Callable[[Any], int]) -> list:
 
     The budget reads the small shapes most (a tree adds a few tokens to a step) and divides every
     point by the one-token unit, while a few rounds on a shared 2-core box put single points 10-15%
-    off; a second sample of the cheap ones, at another place in the round, costs ~0.3 s at load."""
+    off; a second sample of the cheap ones, at another place in the round, cost ~1.5 s more at load
+    for both tables (2-core AMD box, three warm-ups each way)."""
     return list(shapes) + [s for s in shapes if tokens(s) <= CHEAP_COST_TOKENS]
 
 
