@@ -121,6 +121,13 @@ def _nearest(by_rows: Mapping[int, object], rows: int):
     return by_rows[min(by_rows, key=lambda r: (abs(r - rows), r))]
 
 
+def _add_decayed(sums: dict[int, list[float]], rows: int, decay: float, *values: float) -> None:
+    """Add ``values`` to the decayed sums kept for ``rows`` (each old sum times ``decay`` first)."""
+    entry = sums.setdefault(rows, [0.0] * len(values))
+    for i, v in enumerate(values):
+        entry[i] = entry[i] * decay + v
+
+
 class StepOverhead:
     """What a batch step costs outside its forward (asking the sources, the budget, accepting,
     emitting), in units of a batch-1 one-token forward, averaged over recent steps of the same
@@ -201,9 +208,7 @@ class TreeCostCorrection:
         """rows -> [measured beyond the plain part, the table's tree part] of forwards with trees."""
 
     def _add(self, sums: dict[int, list[float]], rows: int, measured: float, table: float) -> None:
-        entry = sums.setdefault(rows, [0.0, 0.0])
-        entry[0] = entry[0] * self.decay + measured
-        entry[1] = entry[1] * self.decay + table
+        _add_decayed(sums, rows, self.decay, measured, table)
 
     def scale(self, rows: int) -> float:
         """Measured over table for forwards without trees (1 until one was measured)."""
@@ -273,11 +278,7 @@ class AskingValue:
 
     def record(self, rows: int, asked: bool, tokens: int, seconds: float) -> None:
         """A steady step without prompt chunks at ``rows``: whether it asked, its tokens and wall time."""
-        entry = (self.asking if asked else self.silent).setdefault(rows, [0.0, 0.0, 0.0])
-        d = self.decay
-        entry[0] = entry[0] * d + tokens
-        entry[1] = entry[1] * d + seconds
-        entry[2] = entry[2] * d + 1.0
+        _add_decayed(self.asking if asked else self.silent, rows, self.decay, tokens, seconds, 1.0)
 
     def rates(self, rows: int) -> tuple[float, float] | None:
         """Tokens per second of the asking and the silent steps at ``rows``; None until both are measured."""
