@@ -89,7 +89,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         "--concurrency", default=None, metavar="LIST",
         help="e.g. 1,2,4,8,16: a closed-loop load test instead of the single-stream comparison; per C and method "
              "(plain-serial, plain, draftmesh) aggregate tokens/s, p50/p95 latency and time to first token, batch rows "
-             "and tokens per forward; with --target mesh: plain-serial and the mesh methods, plus the in-process "
+             "and tokens per forward; --methods may add vllm, and draftmesh-oracle (after plain or plain-serial: "
+             "the sources' candidates cut to the nodes the target accepts, the most any node choice makes of "
+             "them); with --target mesh: plain-serial and the mesh methods, plus the in-process "
              "plain and draftmesh if --methods names them (each mesh method over its in-process twin, same run)",
     )
     parser.add_argument(

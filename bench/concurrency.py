@@ -11,6 +11,9 @@ repeats, medians kept:
   replica did before continuous batching.
 - ``plain``: batched, no speculation.
 - ``draftmesh``: batched, default sources, one tree budget across the batch.
+- ``draftmesh-oracle`` (asked for with ``--methods``, after ``plain-serial`` or ``plain``): as
+  ``draftmesh``, but of the sources' candidate nodes the budget is given only those on the item's
+  plain greedy output (``bench.oracle``): the most any choice of nodes makes of these sources.
 - ``vllm`` (asked for with ``--methods``): vLLM's offline engine in its own environment, the
   closed loop run inside its worker on its own continuous batching (``vllm_runner.closed_loop_pass``).
 
@@ -31,14 +34,15 @@ from typing import Any, Callable, Iterator, Mapping, Sequence
 
 from draftmesh.bench.items import PreparedItem
 from draftmesh.bench.methods import MESH_PAIRS
+from draftmesh.bench.oracle import OracleTreeBuilder
 from draftmesh.bench.report import fmt
 from draftmesh.config import DEFAULT_SOURCE_DEADLINE_S, BuilderConfig, EngineConfig
 from draftmesh.io_struct import GenerationRequest, GenerationResult, StepEvent
 from draftmesh.verify.engine import batch_limits, build_decoder
 
-PLAIN_SERIAL, PLAIN, DRAFTMESH, VLLM = "plain-serial", "plain", "draftmesh", "vllm"
+PLAIN_SERIAL, PLAIN, DRAFTMESH, ORACLE, VLLM = "plain-serial", "plain", "draftmesh", "draftmesh-oracle", "vllm"
 CONCURRENCY_METHODS = (PLAIN_SERIAL, PLAIN, DRAFTMESH)
-"""The default methods; ``VLLM`` is added where asked for (it needs ``make vllm-env``)."""
+"""The default methods; ``ORACLE`` and ``VLLM`` are added where asked for (vLLM needs ``make vllm-env``)."""
 
 
 @dataclass
@@ -76,21 +80,30 @@ def concurrency_methods(text: str | None) -> list[str]:
     if not text:
         return list(CONCURRENCY_METHODS)
     names = [n.strip() for n in text.split(",") if n.strip()]
-    valid = (*CONCURRENCY_METHODS, VLLM)
+    valid = (*CONCURRENCY_METHODS, ORACLE, VLLM)
     bad = [n for n in names if n not in valid]
     if bad or not names:
         raise ValueError(f"--methods with --concurrency: unknown {', '.join(bad) or '(none)'}; valid: {', '.join(valid)}")
-    return list(dict.fromkeys(names))
+    names = list(dict.fromkeys(names))
+    if ORACLE in names and not {PLAIN_SERIAL, PLAIN} & set(names[: names.index(ORACLE)]):
+        raise ValueError(f"--methods with --concurrency: {ORACLE} reads each item's plain greedy output, so "
+                         f"{PLAIN_SERIAL} or {PLAIN} must come before it")
+    return names
 
 
 def _decoder(method: str, target, engine: EngineConfig, builder: BuilderConfig, source_options,
-             source_deadline_s: float | None = DEFAULT_SOURCE_DEADLINE_S):
+             source_deadline_s: float | None = DEFAULT_SOURCE_DEADLINE_S,
+             plain_outputs: Mapping[str, Sequence[int]] | None = None):
+    """``plain_outputs``: item id -> its plain greedy output, which ``ORACLE`` reads."""
     limits = batch_limits(engine)
     if method == PLAIN_SERIAL:
         limits = dataclasses.replace(limits, max_rows=1)
-    sources = None if method == DRAFTMESH else ()
-    return build_decoder(target, sources, source_options=source_options, builder_config=builder, batch_limits=limits,
-                         source_deadline_s=source_deadline_s)
+    sources = None if method in (DRAFTMESH, ORACLE) else ()
+    decoder = build_decoder(target, sources, source_options=source_options, builder_config=builder,
+                            batch_limits=limits, source_deadline_s=source_deadline_s)
+    if method == ORACLE:
+        decoder.builder = OracleTreeBuilder(decoder.builder, plain_outputs or {})
+    return decoder
 
 
 def _request(item: PreparedItem) -> GenerationRequest:
@@ -269,6 +282,7 @@ def run_concurrency(target, items: Sequence[PreparedItem], levels: Sequence[int]
     external = dict(external or {})
     target.ensure_costs()
     runs: dict[tuple[str, int], list[PassResult]] = {}
+    plain_outputs: dict[str, tuple[int, ...]] = {}  # what ORACLE reads: the first plain pass's of each item
     for rep in range(repeats):
         for c in levels:
             for m in methods:
@@ -278,11 +292,14 @@ def run_concurrency(target, items: Sequence[PreparedItem], levels: Sequence[int]
                     progress(f"  pass {rep + 1}/{repeats} C={c} {m}: {res.tokens_per_s:.1f} tok/s")
                     continue
                 load = loads[m]() if m in loads else EngineLoad(_decoder(m, target, engine, builder, source_options,
-                                                                                    source_deadline_s))
+                                                                                    source_deadline_s, plain_outputs))
                 try:
                     res = run_pass(load, m, items, c)
                 finally:
                     load.close()
+                if m in (PLAIN_SERIAL, PLAIN):
+                    for k, v in res.outputs.items():
+                        plain_outputs.setdefault(k, v)
                 runs.setdefault((m, c), []).append(res)
                 progress(f"  pass {rep + 1}/{repeats} C={c} {m}: {res.tokens_per_s:.1f} tok/s")
     reference: dict[str, tuple[int, ...]] = {}
@@ -332,9 +349,10 @@ def run_concurrency(target, items: Sequence[PreparedItem], levels: Sequence[int]
     return out
 
 
-SAME_RUN_PAIRS = ((DRAFTMESH, PLAIN), *MESH_PAIRS)
+SAME_RUN_PAIRS = ((DRAFTMESH, PLAIN), (ORACLE, PLAIN), *MESH_PAIRS)
 """(method, the method it is compared with) for the report's same-run ratios: speculation's gain over
-batched plain decoding (the issue's targets), and each mesh method over its in-process twin."""
+batched plain decoding (the issue's targets), its ceiling with the same sources, and each mesh
+method over its in-process twin."""
 
 
 def same_run_ratios(rows: Sequence[Mapping[str, Any]], pairs: Sequence[tuple[str, str]] = SAME_RUN_PAIRS,

@@ -69,6 +69,10 @@ def test_concurrency_usage_errors_are_clean(tmp_path, capsys):
     args.model = target
     assert run(args) == 2
     assert "unknown nope" in capsys.readouterr().err
+    args = parse([*common, "--methods", "draftmesh-oracle,plain"])  # nothing for the oracle to read yet
+    args.model = target
+    assert run(args) == 2
+    assert "draftmesh-oracle reads each item's plain greedy output" in capsys.readouterr().err
     args = parse([*common, "--kinds", "grounded,rag"])
     args.model = target
     assert run(args) == 2
@@ -191,6 +195,23 @@ def test_without_plain_serial_outputs_are_not_compared_rather_than_shown_as_none
     assert all(r["identical_to_plain_serial"] is None and r["outputs"] == 3 for r in rows)
     table = [line for line in capsys.readouterr().out.splitlines() if line.strip().startswith("2 ")]
     assert len(table) == 2 and all(line.rstrip().endswith("-/3") for line in table), table
+
+
+def test_the_oracle_runs_beside_draftmesh_and_reports_its_ratio_to_plain(tmp_path, capsys):
+    """``draftmesh-oracle`` after plain-serial: its outputs are plain greedy's, and the report sets it
+    against batched plain as it does draftmesh."""
+    target = tiny_target("llama", vocab_size=64, dtype=__import__("torch").float32)
+    out_json = tmp_path / "c.json"
+    args = parse(["--workload", str(workload_file(tmp_path, n=3, max_new_tokens=8)), "--concurrency", "1,2",
+                  "--methods", "plain-serial,plain,draftmesh,draftmesh-oracle", "--repeats", "1", "--threads", "1",
+                  "--json", str(out_json), "--prefill-probe-tokens", "0", "--no-cost-curve", "--no-progress"])
+    args.model = target
+    assert run(args) == 0
+    data = json.loads(out_json.read_text())
+    oracle = [r for r in data["rows"] if r["method"] == "draftmesh-oracle"]
+    assert len(oracle) == 2 and all(r["identical_to_plain_serial"] == r["outputs"] == 3 for r in oracle)
+    assert set(data["same_run_ratios"]["draftmesh-oracle / plain"]) == {"1", "2"}
+    assert "draftmesh-oracle / plain (same run): " in capsys.readouterr().out
 
 
 class _Steps:
