@@ -17,6 +17,7 @@ from __future__ import annotations
 from typing import Mapping, Sequence
 
 from draftmesh.draft.base import DraftContext, Proposal
+from draftmesh.tree import TokenTree
 from draftmesh.verify.budget import ScoredTree
 from draftmesh.verify.tree_builder import CostAwareTreeBuilder
 
@@ -38,20 +39,18 @@ class OracleTreeBuilder(CostAwareTreeBuilder):
         output = self.outputs.get(ctx.request_id or "")
         if cand is None or output is None:
             return cand
-        keep = on_path(cand.tree.tokens, cand.tree.parents, output[len(ctx.token_ids) - ctx.prompt_len:])
+        keep = on_path(cand.tree, output[len(ctx.token_ids) - ctx.prompt_len:])
         if not keep:
             return None
         ones = [1.0] * len(keep)
         return ScoredTree(cand.tree.subtree(keep), ones, [cand.confidences[i] for i in keep], cand.cap, list(ones))
 
 
-def on_path(tokens: Sequence[int], parents: Sequence[int], continuation: Sequence[int]) -> list[int]:
-    """The nodes (parents listed before their children) whose path from the root spells a prefix of
-    ``continuation``: at most one per depth."""
-    depth = [0] * len(tokens)
-    matched = [False] * len(tokens)
-    for i, (tok, parent) in enumerate(zip(tokens, parents)):
-        depth[i] = 1 if parent < 0 else depth[parent] + 1
-        matched[i] = ((parent < 0 or matched[parent]) and depth[i] <= len(continuation)
-                      and tok == continuation[depth[i] - 1])
+def on_path(tree: TokenTree, continuation: Sequence[int]) -> list[int]:
+    """The nodes whose path from the root spells a prefix of ``continuation``: at most one per depth
+    (a tree lists parents before their children)."""
+    matched = [False] * len(tree)
+    for i, (tok, parent, depth) in enumerate(zip(tree.tokens, tree.parents, tree.depths)):
+        matched[i] = ((parent < 0 or matched[parent]) and depth <= len(continuation)
+                      and tok == continuation[depth - 1])
     return [i for i, m in enumerate(matched) if m]

@@ -8,17 +8,21 @@ from batch_driver import drive, reference_greedy
 from draftmesh.bench.oracle import OracleTreeBuilder, on_path
 from draftmesh.draft.base import DraftContext, Proposal
 from draftmesh.io_struct import GenerationRequest
+from draftmesh.tree import TokenTree
 from draftmesh.verify.decoder import SpeculativeDecoder
 from draftmesh.verify.tree_builder import CostAwareTreeBuilder
 
 
 def test_on_path_keeps_the_nodes_that_spell_a_prefix_of_the_continuation():
     # node: token (parent) -- 0: 5 (root), 1: 6 (0), 2: 7 (1), 3: 9 (0), 4: 6 (root), 5: 6 (4), 6: 9 (1)
-    tokens, parents = [5, 6, 7, 9, 6, 6, 9], [-1, 0, 1, 0, -1, 4, 1]
-    assert on_path(tokens, parents, (5, 6, 9)) == [0, 1, 6]
-    assert on_path(tokens, parents, (5, 6)) == [0, 1]  # nothing deeper than the continuation
-    assert on_path(tokens, parents, (5, 9, 1)) == [0, 3]
-    assert on_path(tokens, parents, (8,)) == [] and on_path(tokens, parents, ()) == []
+    tree = TokenTree()
+    for parent, token in [(-1, 5), (0, 6), (1, 7), (0, 9), (-1, 6), (4, 6), (1, 9)]:
+        tree.add(parent, token, "s")
+    assert tree.parents == [-1, 0, 1, 0, -1, 4, 1]
+    assert on_path(tree, (5, 6, 9)) == [0, 1, 6]
+    assert on_path(tree, (5, 6)) == [0, 1]  # nothing deeper than the continuation
+    assert on_path(tree, (5, 9, 1)) == [0, 3]
+    assert on_path(tree, (8,)) == [] and on_path(tree, ()) == []
 
 
 class HalfRight:
