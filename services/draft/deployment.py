@@ -26,7 +26,9 @@ from draftmesh.v1 import draft_source_pb2 as pb
 log = logging.getLogger(__name__)
 
 
-@serve.deployment(name="draft", max_ongoing_requests=8, health_check_period_s=10)
+# A short graceful timeout, like the verifier's: a draft call lives for one step's deadline, and the
+# mesh's stop waits for Serve's shutdown in its own thread (launcher).
+@serve.deployment(name="draft", max_ongoing_requests=8, health_check_period_s=10, graceful_shutdown_timeout_s=5)
 class DraftDeployment:
     def __init__(self, name: str, model: str, spec: RemoteSource, redis_url: str | None = None,
                  answer_store_max_bytes: int = 0) -> None:

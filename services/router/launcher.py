@@ -14,7 +14,6 @@ from __future__ import annotations
 import contextlib
 import logging
 import os
-import threading
 import time
 from dataclasses import dataclass, field
 from typing import Any, Callable
@@ -22,6 +21,7 @@ from typing import Any, Callable
 import psutil
 
 from draftmesh.config import DraftmeshConfig
+from draftmesh.fatal_signals import FatalSignalHandlers
 from draftmesh.factcheck.processes import WorkerProcesses
 from draftmesh.net import free_port
 from draftmesh.redis_server import EmbeddedRedis
@@ -130,8 +130,9 @@ def start_mesh(cfg: DraftmeshConfig, *, ray_init: dict[str, Any] | None = None) 
                 os.environ.setdefault("RAY_AUTH_MODE", "disabled")
                 options.setdefault("_metrics_export_port", serve_cfg.metrics_port or free_port())
                 running.metrics_address = f"localhost:{options['_metrics_export_port']}"
+            handlers = FatalSignalHandlers.save()
             _init_ray(serve_cfg.address or "local", options)
-            running._cleanup.append(ray.shutdown)
+            running._cleanup.append(lambda: _shutdown_ray(handlers))
 
         # Picked only now: a port picked before ray.init was seen taken by one of Ray's own processes
         # by the time Serve's proxy bound it ("Address already in use"), failing the start.
@@ -146,10 +147,11 @@ def start_mesh(cfg: DraftmeshConfig, *, ray_init: dict[str, Any] | None = None) 
             logging_config={"log_level": serve_cfg.log_level},
         )
         if serve_cfg.address is None:
-            # Our private cluster: all of Serve goes (with our app), politely but bounded: a replica that
-            # missed its cancellation (Ray's proxy loses a few) would hold it for its graceful timeout,
-            # and ray.shutdown (next) stops every process anyway.
-            running._cleanup.append(lambda: _bounded(serve.shutdown, SERVE_SHUTDOWN_S, "serve.shutdown"))
+            # Our private cluster: all of Serve goes (with our app). In this thread, never one we stop
+            # waiting for: ray.shutdown (next) would tear the driver's core worker down under a Serve
+            # call still in flight. Serve bounds its own wait: 5 s to find its controller alive, then
+            # 30 s for the controller's graceful shutdown (the replicas' graceful timeouts within it).
+            running._cleanup.append(serve.shutdown)
         else:  # on an existing cluster only our app goes; Serve and other apps stay up
             running._cleanup.append(lambda: serve.delete(APP_NAME))
         serve.run(build_app(cfg), name=APP_NAME, route_prefix="/", blocking=False,
@@ -177,28 +179,15 @@ def start_mesh(cfg: DraftmeshConfig, *, ray_init: dict[str, Any] | None = None) 
 ROUTED_WAIT_S = 30.0
 """How long a start waits for Serve's proxy to route the app after ``serve.run`` returned."""
 
-SERVE_SHUTDOWN_S = 10.0
-"""How long stopping a private mesh waits for Serve's own graceful shutdown before Ray's."""
+def _shutdown_ray(handlers: FatalSignalHandlers) -> None:
+    """``ray.shutdown``, then the fatal signals' handlers as they were before ``ray.init``: Ray's
+    shutdown resets them to the default, which would make any later native crash silent."""
+    import ray
 
-
-def _bounded(step: Callable[[], Any], timeout_s: float, what: str) -> None:
-    """Run ``step`` in a daemon thread; give up waiting (with a warning) after ``timeout_s``."""
-
-    errors: list[BaseException] = []
-
-    def run() -> None:
-        try:
-            step()
-        except BaseException as exc:  # noqa: BLE001 - reported below
-            errors.append(exc)
-
-    thread = threading.Thread(target=run, name=f"draftmesh-{what}", daemon=True)
-    thread.start()
-    thread.join(timeout_s)
-    if thread.is_alive():
-        log.warning("%s did not finish in %.0fs; going on", what, timeout_s)
-    elif errors:
-        raise errors[0]
+    try:
+        ray.shutdown()
+    finally:
+        handlers.restore()
 
 
 def _child_pids() -> set[int]:
@@ -264,6 +253,7 @@ def _init_ray(address: str, options: dict[str, Any], attempts: int = 2) -> None:
 
     if address == "local":
         os.environ.setdefault("RAY_gcs_server_port_wait_time_s", GCS_PORT_WAIT_S)
+    handlers = FatalSignalHandlers.save()  # Ray's next start chains to them, not to the default
     for attempt in range(1, attempts + 1):
         before = _child_pids()
         try:
@@ -276,4 +266,4 @@ def _init_ray(address: str, options: dict[str, Any], attempts: int = 2) -> None:
             if attempt == attempts or not startup:
                 raise
             log.warning("Ray did not start (%s); retrying once", exc)
-            ray.shutdown()
+            _shutdown_ray(handlers)

@@ -128,3 +128,36 @@ def test_serves_proxy_port_is_picked_after_rays_node_is_up(monkeypatch):
     assert ("port", proxy_port) in events
     assert names.index("ray.init") < events.index(("port", proxy_port)) < names.index("serve.start")
     assert names[-1] == "ray.shutdown"  # the failed start still stopped what it started
+
+
+def test_a_crash_after_the_mesh_stopped_ray_still_prints_its_traceback():
+    """A real local Ray: ``ray.shutdown`` resets SIGSEGV to the default action; the launcher's stop
+    puts back the handler from before ``ray.init`` (faulthandler's), so a later crash is not silent.
+    Three clean-clone CI runs died after every test had passed with no traceback at all."""
+    import subprocess
+    import sys
+    import textwrap
+
+    script = textwrap.dedent("""
+        import ctypes, faulthandler, sys
+        import ray
+        from draftmesh.fatal_signals import FatalSignalHandlers
+        from draftmesh.router import launcher
+
+        faulthandler.enable()
+        handlers = FatalSignalHandlers.save()
+        launcher._init_ray("local", {"num_cpus": 1})
+        if sys.argv[1] == "launcher":
+            launcher._shutdown_ray(handlers)
+        else:
+            ray.shutdown()
+        print("stopped", flush=True)
+        ctypes.string_at(0)
+    """)
+    env = {**__import__("os").environ, "RAY_USAGE_STATS_ENABLED": "0", "RAY_AUTH_MODE": "disabled"}
+    runs = {mode: subprocess.run([sys.executable, "-c", script, mode], capture_output=True, text=True,
+                                 timeout=180, env=env) for mode in ("launcher", "bare")}
+    for mode, done in runs.items():
+        assert "stopped" in done.stdout and done.returncode < 0, (mode, done.stdout, done.stderr[-2000:])
+    assert "Fatal Python error: Segmentation fault" in runs["launcher"].stderr, runs["launcher"].stderr[-2000:]
+    assert "Fatal Python error" not in runs["bare"].stderr  # Ray's own shutdown: silent
