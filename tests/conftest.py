@@ -48,7 +48,10 @@ def pytest_unconfigure(config):
     By now every result and the summary are written. The session leaves native threads behind
     (Ray's driver, gRPC servers and channels, OpenMP teams); a clean-clone CI run passed every test
     and then died of SIGSEGV while finalizing, with the summary still in stdout's buffer. Stopping
-    here keeps the verdict the tests gave (``draftmesh serve`` ends the same way after a signal)."""
+    here keeps the verdict the tests gave (``draftmesh serve`` ends the same way after a signal).
+    Those deaths printed no traceback because ``ray.shutdown`` had reset SIGSEGV to the default
+    action; the mesh's stop now puts faulthandler's handler back (``draftmesh.fatal_signals``), so a
+    crash in the teardown or here names its thread."""
     session = config.stash.get(_session_key, None)
     if session is None:
         return
