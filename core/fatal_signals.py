@@ -31,7 +31,7 @@ def _libc():
     if not sys.platform.startswith(("linux", "darwin")):
         return None
     try:
-        return ctypes.CDLL(None, use_errno=True)
+        return ctypes.CDLL(None)
     except OSError:
         return None
 

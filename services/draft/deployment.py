@@ -27,7 +27,7 @@ log = logging.getLogger(__name__)
 
 
 # A short graceful timeout, like the verifier's: a draft call lives for one step's deadline, and the
-# mesh's stop waits for Serve's shutdown in its own thread (launcher).
+# mesh's stop lets Serve's shutdown finish before Ray's (launcher).
 @serve.deployment(name="draft", max_ongoing_requests=8, health_check_period_s=10, graceful_shutdown_timeout_s=5)
 class DraftDeployment:
     def __init__(self, name: str, model: str, spec: RemoteSource, redis_url: str | None = None,

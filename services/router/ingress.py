@@ -51,7 +51,7 @@ def mesh_source_names(cfg: DraftmeshConfig) -> list[str]:
 
 
 # A short graceful timeout, like the verifier's: by Serve's shutdown the gateway has drained every call,
-# and the mesh's stop waits for Serve's in its own thread (launcher).
+# and the mesh's stop lets Serve's shutdown finish before Ray's (launcher).
 @serve.deployment(name="router", health_check_period_s=10, graceful_shutdown_timeout_s=5)
 @serve.ingress(http_app)
 class Router(HttpFace):

@@ -130,8 +130,7 @@ def start_mesh(cfg: DraftmeshConfig, *, ray_init: dict[str, Any] | None = None) 
                 os.environ.setdefault("RAY_AUTH_MODE", "disabled")
                 options.setdefault("_metrics_export_port", serve_cfg.metrics_port or free_port())
                 running.metrics_address = f"localhost:{options['_metrics_export_port']}"
-            handlers = FatalSignalHandlers.save()
-            _init_ray(serve_cfg.address or "local", options)
+            handlers = _init_ray(serve_cfg.address or "local", options)
             running._cleanup.append(lambda: _shutdown_ray(handlers))
 
         # Picked only now: a port picked before ray.init was seen taken by one of Ray's own processes
@@ -239,8 +238,9 @@ GCS_PORT_WAIT_S = "90"
 environment sets ``RAY_gcs_server_port_wait_time_s``: on a starved 2-core machine 30 s was missed."""
 
 
-def _init_ray(address: str, options: dict[str, Any], attempts: int = 2) -> None:
-    """``ray.init``, tried once more when a local node does not come up in time.
+def _init_ray(address: str, options: dict[str, Any], attempts: int = 2) -> FatalSignalHandlers:
+    """``ray.init``, tried once more when a local node does not come up in time; returns the fatal
+    signals' handlers from before it, for ``_shutdown_ray`` to put back.
 
     On a loaded 2-core machine a fresh local node sometimes misses one of Ray's startup deadlines:
     the GCS never publishes its port ("Timed out waiting for file .../gcs_server_port_...") or the
@@ -258,7 +258,7 @@ def _init_ray(address: str, options: dict[str, Any], attempts: int = 2) -> None:
         before = _child_pids()
         try:
             ray.init(address=address, include_dashboard=False, log_to_driver=True, **options)
-            return
+            return handlers
         except Exception as exc:  # Ray raises a bare Exception for the raylet's timeout
             startup = address == "local" and any(s in str(exc) for s in STARTUP_TIMEOUTS)
             if startup:

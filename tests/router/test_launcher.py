@@ -115,7 +115,13 @@ def test_serves_proxy_port_is_picked_after_rays_node_is_up(monkeypatch):
         raise Stop
 
     monkeypatch.setattr(launcher, "free_port", pick)
-    monkeypatch.setattr(launcher, "_init_ray", lambda address, options: events.append(("ray.init", None)))
+    from draftmesh.fatal_signals import FatalSignalHandlers
+
+    def init_ray(address, options):
+        events.append(("ray.init", None))
+        return FatalSignalHandlers()  # nothing saved: nothing to put back
+
+    monkeypatch.setattr(launcher, "_init_ray", init_ray)
     monkeypatch.setattr(ray, "is_initialized", lambda: False)
     monkeypatch.setattr(ray, "shutdown", lambda: events.append(("ray.shutdown", None)))
     monkeypatch.setattr(serve, "start", serve_start)
@@ -141,12 +147,10 @@ def test_a_crash_after_the_mesh_stopped_ray_still_prints_its_traceback():
     script = textwrap.dedent("""
         import ctypes, faulthandler, sys
         import ray
-        from draftmesh.fatal_signals import FatalSignalHandlers
         from draftmesh.router import launcher
 
         faulthandler.enable()
-        handlers = FatalSignalHandlers.save()
-        launcher._init_ray("local", {"num_cpus": 1})
+        handlers = launcher._init_ray("local", {"num_cpus": 1})
         if sys.argv[1] == "launcher":
             launcher._shutdown_ray(handlers)
         else:
