@@ -8,3 +8,6 @@ gRPC client library (``client``) and small helpers. It imports nothing above it:
 sources (``draftmesh.draft``), the engine (``draftmesh.verify``), the front door
 (``draftmesh.router``) and the entry points (``draftmesh.cli``, ``draftmesh.bench``) build on it.
 """
+
+# First, before anything loads grpcio: its fork handlers off (see ``grpc_fork``).
+from draftmesh import grpc_fork as _grpc_fork  # noqa: E402,F401

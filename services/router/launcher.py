@@ -20,6 +20,7 @@ from typing import Any, Callable
 
 import psutil
 
+from draftmesh import grpc_fork
 from draftmesh.config import DraftmeshConfig
 from draftmesh.fatal_signals import FatalSignalHandlers
 from draftmesh.factcheck.processes import WorkerProcesses
@@ -130,6 +131,10 @@ def start_mesh(cfg: DraftmeshConfig, *, ray_init: dict[str, Any] | None = None) 
                 os.environ.setdefault("RAY_AUTH_MODE", "disabled")
                 options.setdefault("_metrics_export_port", serve_cfg.metrics_port or free_port())
                 running.metrics_address = f"localhost:{options['_metrics_export_port']}"
+            if serve_cfg.address is None and not grpc_fork.handlers_off():
+                log.warning("gRPC's fork handlers are on in this process (grpc was imported before draftmesh, "
+                            "or %s says so): a local Ray node's processes can die as they start; "
+                            "set %s=0 before the program starts", grpc_fork.ENV, grpc_fork.ENV)
             handlers = _init_ray(serve_cfg.address or "local", options)
             running._cleanup.append(lambda: _shutdown_ray(handlers))
 
@@ -235,20 +240,22 @@ def check_upstream_private(port: int, *, strict: bool = True) -> None:
 STARTUP_TIMEOUTS = ("Timed out waiting for file", "timed out during startup")
 GCS_PORT_WAIT_S = "90"
 """How long a local head waits for its GCS to publish its port (Ray's default: 30 s), unless the
-environment sets ``RAY_gcs_server_port_wait_time_s``: on a starved 2-core machine 30 s was missed."""
+environment sets ``RAY_gcs_server_port_wait_time_s``. Raised when 30 s was missed on a loaded 2-core
+machine; the misses measured later were a GCS child killed at fork (``draftmesh.grpc_fork``)."""
 
 
 def _init_ray(address: str, options: dict[str, Any], attempts: int = 2) -> FatalSignalHandlers:
     """``ray.init``, tried once more when a local node does not come up in time; returns the fatal
     signals' handlers from before it, for ``_shutdown_ray`` to put back.
 
-    On a loaded 2-core machine a fresh local node sometimes misses one of Ray's startup deadlines:
-    the GCS never publishes its port ("Timed out waiting for file .../gcs_server_port_...") or the
-    raylet never registers within Ray's fixed 30 s ("The current node timed out during startup").
-    Seen in CI and locally, rarely. A failed ``ray.init`` leaves the half-started node's processes
-    running (its ``Node`` is never returned, so ``ray.shutdown`` cannot stop them): they are killed
-    here before the retry, or they would starve it, and before the error is raised. Other errors
-    are raised at once."""
+    A fresh local node can miss one of Ray's startup deadlines: the GCS never publishes its port
+    ("Timed out waiting for file .../gcs_server_port_...") or the raylet never registers within
+    Ray's fixed 30 s ("The current node timed out during startup"). The cause measured was a child
+    killed between fork and exec by gRPC's fork handlers, off since (``draftmesh.grpc_fork``); the
+    retry stays for a machine too starved to start one in time. A failed ``ray.init`` leaves the
+    half-started node's processes running (its ``Node`` is never returned, so ``ray.shutdown``
+    cannot stop them): they are killed here before the retry, or they would starve it, and before
+    the error is raised. Other errors are raised at once."""
     import ray
 
     if address == "local":
