@@ -131,10 +131,6 @@ def start_mesh(cfg: DraftmeshConfig, *, ray_init: dict[str, Any] | None = None) 
                 os.environ.setdefault("RAY_AUTH_MODE", "disabled")
                 options.setdefault("_metrics_export_port", serve_cfg.metrics_port or free_port())
                 running.metrics_address = f"localhost:{options['_metrics_export_port']}"
-            if serve_cfg.address is None and not grpc_fork.handlers_off():
-                log.warning("gRPC's fork handlers are on in this process (grpc was imported before draftmesh, "
-                            "or %s says so): a local Ray node's processes can die as they start; "
-                            "set %s=0 before the program starts", grpc_fork.ENV, grpc_fork.ENV)
             handlers = _init_ray(serve_cfg.address or "local", options)
             running._cleanup.append(lambda: _shutdown_ray(handlers))
 
@@ -260,6 +256,10 @@ def _init_ray(address: str, options: dict[str, Any], attempts: int = 2) -> Fatal
 
     if address == "local":
         os.environ.setdefault("RAY_gcs_server_port_wait_time_s", GCS_PORT_WAIT_S)
+        if not grpc_fork.handlers_off():
+            log.warning("gRPC's fork handlers are on in this process (grpc was imported before draftmesh, "
+                        "or %s says so): a local Ray node's processes can die as they start; "
+                        "set %s=0 before the program starts", grpc_fork.ENV, grpc_fork.ENV)
     handlers = FatalSignalHandlers.save()  # Ray's next start chains to them, not to the default
     for attempt in range(1, attempts + 1):
         before = _child_pids()

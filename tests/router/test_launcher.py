@@ -167,29 +167,20 @@ def test_a_crash_after_the_mesh_stopped_ray_still_prints_its_traceback():
     assert "Fatal Python error" not in runs["bare"].stderr  # Ray's own shutdown: silent
 
 
-@pytest.mark.parametrize("handlers_off", [True, False])
-def test_a_local_start_with_grpcs_fork_handlers_on_is_warned_about(monkeypatch, caplog, handlers_off):
+@pytest.mark.parametrize("address, handlers_off, warned", [
+    ("local", False, 1),
+    ("local", True, 0),
+    ("ray://head:10001", False, 0),  # an existing cluster: Ray's processes are not forked here
+])
+def test_a_local_start_with_grpcs_fork_handlers_on_is_warned_about(fake_ray, monkeypatch, caplog, address,
+                                                                    handlers_off, warned):
     """A program that imported grpc before draftmesh keeps gRPC's fork handlers, which killed the
     local node's raylet as Ray forked it (``draftmesh.grpc_fork``): the start says so."""
-    import ray
-
-    from draftmesh.config import DraftmeshConfig
-    from draftmesh.net import free_port
-
-    class Stop(Exception):
-        pass
-
-    def init_ray(address, options):
-        raise Stop
-
+    fake_ray()
     monkeypatch.setattr(launcher.grpc_fork, "handlers_off", lambda: handlers_off)
-    monkeypatch.setattr(launcher, "_init_ray", init_ray)
-    monkeypatch.setattr(ray, "is_initialized", lambda: False)
-    cfg = DraftmeshConfig().replace(serve={"grpc_port": free_port(), "redis_url": "redis://127.0.0.1:1/0",
-                                           "http_port": 0}, factcheck={"enabled": False})
-    with caplog.at_level("WARNING", logger=launcher.log.name), pytest.raises(Stop):
-        launcher.start_mesh(cfg)
-    warned = [r.getMessage() for r in caplog.records if "fork handlers" in r.getMessage()]
-    assert len(warned) == (0 if handlers_off else 1)
-    if warned:
-        assert "GRPC_ENABLE_FORK_SUPPORT=0" in warned[0]
+    with caplog.at_level("WARNING", logger=launcher.log.name):
+        launcher._init_ray(address, {})
+    messages = [r.getMessage() for r in caplog.records if "fork handlers" in r.getMessage()]
+    assert len(messages) == warned
+    if messages:
+        assert "GRPC_ENABLE_FORK_SUPPORT=0" in messages[0]
