@@ -192,6 +192,10 @@ class RemoteSource:
         return self.deployment or DeploymentResources()
 
 
+IN_PROCESS_ONLY_SOURCES: tuple[str, ...] = ("recycle",)
+"""Built-in sources the verifier feeds (``draftmesh.draft.base.SuccessorObserver``): never a Serve deployment."""
+
+
 @dataclass(frozen=True)
 class SourcesConfig:
     """The draft sources: which run inside the verifier, with what options, under what deadline,
@@ -217,6 +221,10 @@ class SourcesConfig:
 
     def __post_init__(self) -> None:
         check_fields(self)
+        for name, spec in self.remote.items():
+            if name in IN_PROCESS_ONLY_SOURCES and spec.factory is None and not spec.external:
+                raise ValueError(f"sources.remote.{name}: the {name} source learns from the verifier's own forwards, "
+                                 "so it runs inside the verifier only: list it in sources.names")
         overlap = set(self.names or ()) & set(self.remote)
         if overlap:
             raise ValueError(f"sources {', '.join(sorted(overlap))} are listed both in-process (sources.names) "

@@ -161,6 +161,13 @@ def compute_bound(source: Any) -> bool:
     return bool(getattr(source, "compute_bound", False))
 
 
+def runs_inline(source: Any) -> bool:
+    """Called on the step's own thread rather than the sources' pool: a compute-bound source (see
+    ``propose_on_compute``), or one that says its ``propose`` is a bounded in-memory lookup
+    (``inline = True``: a few hundred microseconds at most, less than the pool's hand-off)."""
+    return compute_bound(source) or bool(getattr(source, "inline", False))
+
+
 def propose_on_compute(source: Any, ctx: DraftContext) -> list[Proposal]:
     """``source.propose(ctx)``, on the compute thread when the source is compute-bound.
 
@@ -195,6 +202,18 @@ class PreparingSource(DraftSource, Protocol):
     def prepare(self, ctx: DraftContext) -> Any: ...
 
     def release(self, state: Any) -> None: ...
+
+
+@runtime_checkable
+class SuccessorObserver(DraftSource, Protocol):
+    """A source fed by the verifier with the target's own predictions (``recycle``): after every
+    decode step, the top-``top_k`` successors of the step's root and accepted nodes (the inputs whose
+    context was committed) and their probabilities, for the request's tenant. The verifier computes
+    them only when such a source is in-process, so it cannot run remotely."""
+
+    top_k: int
+
+    def observe_successors(self, tenant: str, inputs: Sequence[int], ids: Any, probs: Any) -> None: ...
 
 
 @runtime_checkable

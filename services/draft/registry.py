@@ -94,12 +94,22 @@ def _llm(env: SourceEnv, draft: str = "smollm2-135m", device: str = "cpu", **opt
     return LLMSource(TorchTarget.load(draft, device=device), target_tokenizer=env.tokenizer, **options)
 
 
+def _recycle(env: SourceEnv, **options: Any) -> DraftSource:
+    """The target's own recent predictions; fed by the verifier, so in-process only."""
+    from draftmesh.draft.recycle import RecycleSource  # lazy: a source's module loads when it is used
+
+    if env.vocab_size is None:
+        raise ValueError("the recycle source needs the target's vocabulary size")
+    return RecycleSource(env.vocab_size, **options)
+
+
 FACTORIES: dict[str, SourceFactory] = {
     "llm": _llm,
     "prompt_lookup": _prompt_lookup,
     "history": _history,
     "rules": _rules,
     "rag": _rag,
+    "recycle": _recycle,
 }
 DEFAULT_SOURCES: tuple[str, ...] = ("history", "rules", "rag")
 

@@ -34,6 +34,7 @@ from draftmesh.draft.base import (
     PreparingSource,
     Proposal,
     RequestScopedSource,
+    SuccessorObserver,
     bounded,
     sliced,
 )
@@ -93,6 +94,9 @@ class SpeculativeDecoder:
         names = [s.name for s in self.sources]
         if len(set(names)) != len(names):
             raise ValueError(f"draft source names must be unique, got {names}")
+        self._successor_sources = [s for s in self.sources if isinstance(s, SuccessorObserver)]
+        self.successor_k = max((s.top_k for s in self._successor_sources), default=0)
+        """Top-k successors each decode step reads off its logits for them (0: no such source)."""
         if builder is None:
             builder = CostAwareTreeBuilder(target.cost_curve or {1: 1.0})
         if builder.aligner is None:
@@ -221,6 +225,7 @@ class SpeculativeDecoder:
         if not req.request_id:
             req = dataclasses.replace(req, request_id=uuid.uuid4().hex)
         run = RequestRun(req, policy, self.target.tokenizer, self.target.eos_token_ids, span)
+        run.successor_k = self.successor_k
         run.prepared = self._prepare(req)
         try:
             return self.scheduler.submit(run)
@@ -427,8 +432,17 @@ class SpeculativeDecoder:
 
     def observe_step(self, run: RequestRun, plan: StepPlan, batch_size: int, forward_start_ns: int) -> None:
         """Learn from the step's verdict and close its span (with a ``verify`` span from the batch's
-        forward to the request's commit)."""
+        forward to the request's commit). The step's successors go to the ``SuccessorObserver``
+        sources, under the request's tenant."""
         self.builder.observe(plan.tree, run.verdict, plan.ctx)
+        if run.successors is not None:
+            inputs, ids, probs = run.successors
+            run.successors = None
+            for source in self._successor_sources:
+                try:
+                    source.observe_successors(run.req.tenant, inputs, ids[:, : source.top_k], probs[:, : source.top_k])
+                except Exception:  # it only drafts less
+                    log.exception("draft source %s failed to observe a step's successors", source.name)
         span = plan.span
         if span.is_recording():
             verify = self._tracer.start_span("verify", context=trace.set_span_in_context(span), start_time=forward_start_ns,

@@ -15,6 +15,7 @@ from concurrent.futures import Future
 from dataclasses import dataclass, field
 from typing import Any
 
+import torch
 from opentelemetry import trace
 
 from draftmesh.batch_kv import RowInput, SlotKVCache
@@ -81,6 +82,11 @@ class RequestRun:
         """Rests since the last proposal: the next one lasts ``min(max_rest, 2 ** rests)`` steps."""
         self.asks = 0
         """Steps at which its sources were asked (``SpeculativeDecoder.ask_sources``)."""
+        self.successor_k = 0
+        """Top-k successors to read off each decode step's logits (0: none; ``SuccessorObserver``)."""
+        self.successors: tuple[list[int], Any, Any] | None = None
+        """The last decode step's (inputs, top-k ids, their probabilities) for the root and the
+        accepted path, when ``successor_k``."""
         self.prepared: dict[str, Any] = {}
         """Source name -> its per-request state (``PreparingSource.prepare``), released at the end."""
 
@@ -126,6 +132,8 @@ class RequestRun:
         flagged = plan.flags.result() if plan.flags is not None else frozenset()
         draws = self.generator.at(len(self.generated)) if isinstance(self.generator, KeyedDraws) else self.generator
         verdict = self.policy.verify(tree, logits, req.sampling, draws, flagged)
+        if self.successor_k:
+            self.successors = _successors(self.pending, tree, verdict, logits, self.successor_k)
         kv.commit(self.row, base, [*range(c), c, *(c + 1 + a for a in verdict.accepted)])
         self.cached += plan.chunk + [self.pending] + [tree.tokens[a] for a in verdict.accepted]
         self.verdict = verdict
@@ -206,3 +214,16 @@ def _generator(req: GenerationRequest, policy: AcceptancePolicy):
     if sampling.seed is not None and getattr(policy, "keyed_draws", False):
         return KeyedDraws(sampling.seed)
     return sampling.generator()
+
+
+def _successors(root: int, tree: TokenTree, verdict: Verdict, logits, k: int) -> tuple[list[int], Any, Any]:
+    """The target's top-``k`` next tokens, with their probabilities, after the root (row 0) and
+    each accepted node (row 1 + i): the inputs whose context is the committed one. Rejected
+    nodes' rows are left out: read in a context that did not happen, and each costs ~90 us of
+    top-k and log-sum-exp over the vocabulary (SmolLM2's 49k, 2 CPU threads)."""
+    order = [0, *(1 + a for a in verdict.accepted)]
+    with torch.no_grad():
+        rows = logits[order] if len(order) < logits.shape[0] else logits
+        top = torch.topk(rows, min(k, rows.shape[-1]), dim=-1)
+        probs = torch.exp(top.values - torch.logsumexp(rows, dim=-1, keepdim=True))
+    return [root, *(tree.tokens[a] for a in verdict.accepted)], top.indices.cpu().numpy(), probs.cpu().numpy()

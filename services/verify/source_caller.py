@@ -25,7 +25,7 @@ from dataclasses import dataclass, field
 from typing import Sequence
 
 from draftmesh import compute, tracing
-from draftmesh.draft.base import DraftContext, DraftSource, Proposal, advance, compute_bound, propose_on_compute
+from draftmesh.draft.base import DraftContext, DraftSource, Proposal, advance, propose_on_compute, runs_inline
 
 log = logging.getLogger(__name__)
 _tracer = tracing.tracer("draftmesh.draft")
@@ -136,12 +136,13 @@ class SourceCaller:
             return pending
         # A compute-bound source (a draft model) runs on the step's (compute) thread when collected,
         # while the others run on the pool: no deadline can stop it, so its own budget bounds it (draft.base).
-        pending.inline = [s for s in sources if compute_bound(s)]
+        # So does a source marked ``inline`` (a bounded lookup cheaper than the pool's hand-off).
+        pending.inline = [s for s in sources if runs_inline(s)]
         ids = tuple(ctx.token_ids)
         with self._lock:
             self._prune()
             for source in sources:
-                if compute_bound(source):
+                if runs_inline(source):
                     continue
                 key = (ctx.request_id, source.name)
                 previous = self._running.get(key)
