@@ -116,3 +116,25 @@ def test_a_compute_bound_source_runs_on_the_compute_thread_while_the_others_use_
         assert [p.token_ids for p in elsewhere.proposals["llm"]] == [(9,)]
     finally:
         caller.close()
+
+
+def test_an_inline_source_is_called_on_the_collecting_thread_and_the_others_on_the_pool():
+    """A lookup cheaper than the pool's hand-off (``inline = True``, the recycle source) skips it."""
+
+    class Where:
+        def __init__(self, name: str, inline: bool) -> None:
+            self.name, self.inline, self.threads = name, inline, []
+
+        def propose(self, ctx: DraftContext) -> list[Proposal]:
+            self.threads.append(threading.current_thread())
+            return [Proposal(self.name, token_ids=(5,))]
+
+    lookup, pooled = Where("lookup", inline=True), Where("pooled", inline=False)
+    caller = SourceCaller(deadline_s=5.0)
+    try:
+        answers = caller.call([lookup, pooled], ctx("a"))
+        assert sorted(answers.proposals) == ["lookup", "pooled"] and answers.failed == {}
+        assert lookup.threads == [threading.current_thread()]
+        assert pooled.threads and pooled.threads[0] is not threading.current_thread()
+    finally:
+        caller.close()
