@@ -10,6 +10,7 @@ are verified is the batch budget's.
 
 from __future__ import annotations
 
+import logging
 import time
 from concurrent.futures import Future
 from dataclasses import dataclass, field
@@ -25,6 +26,8 @@ from draftmesh.tree import TokenTree
 from draftmesh.verify.acceptance import Verdict
 from draftmesh.verify.policy import AcceptancePolicy
 from draftmesh.verify.text_stream import TextStream
+
+log = logging.getLogger(__name__)
 
 
 @dataclass
@@ -133,7 +136,11 @@ class RequestRun:
         draws = self.generator.at(len(self.generated)) if isinstance(self.generator, KeyedDraws) else self.generator
         verdict = self.policy.verify(tree, logits, req.sampling, draws, flagged)
         if self.successor_k:
-            self.successors = _successors(self.pending, tree, verdict, logits, self.successor_k)
+            try:
+                self.successors = _successors(self.pending, tree, verdict, logits, self.successor_k)
+            except Exception:  # an opt-in source's feed: the request goes on, the source learns less
+                log.exception("reading the step's successors failed for request %s", req.request_id)
+                self.successors = None
         kv.commit(self.row, base, [*range(c), c, *(c + 1 + a for a in verdict.accepted)])
         self.cached += plan.chunk + [self.pending] + [tree.tokens[a] for a in verdict.accepted]
         self.verdict = verdict

@@ -79,6 +79,21 @@ def test_a_source_that_fails_to_observe_only_drafts_less(tiny):
     assert decoder.generate(GenerationRequest(prompt, max_new_tokens=12)).token_ids == reference_greedy(tiny, prompt, 12)
 
 
+def test_a_step_whose_successors_cannot_be_read_still_decodes(tiny, monkeypatch):
+    import draftmesh.verify.request_run as request_run
+
+    def broken(*args):
+        raise RuntimeError("top-k broke")
+
+    monkeypatch.setattr(request_run, "_successors", broken)
+    rng = random.Random(5)
+    prompt = tuple(rng.randrange(1, tiny.vocab_size) for _ in range(7))
+    source = RecycleSource(tiny.vocab_size)
+    decoder = SpeculativeDecoder(tiny, [source])
+    assert decoder.generate(GenerationRequest(prompt, max_new_tokens=10)).token_ids == reference_greedy(tiny, prompt, 10)
+    assert source.nbytes == 0  # it learned nothing, and the request did not fail
+
+
 def test_without_such_a_source_no_step_reads_successors(tiny):
     decoder = SpeculativeDecoder(tiny)
     assert decoder.successor_k == 0
