@@ -99,6 +99,33 @@ def sliced(proposal: Proposal, start: int = 0, stop: int | None = None) -> Propo
     )
 
 
+def path_proposals(source: str, nodes: Sequence[tuple[int, int, float]]) -> list[Proposal]:
+    """A drafted tree as proposals, one per root-to-leaf path, the most probable first (ties: the
+    older leaf). ``nodes``: (parent index or -1, token, probability given the parent) per node,
+    parents before children; a path's ``token_probs`` are its nodes' probabilities and its
+    ``confidence`` their product, in path order."""
+    has_child = [False] * len(nodes)
+    for parent, _, _ in nodes:
+        if parent >= 0:
+            has_child[parent] = True
+    out = []
+    for leaf in (i for i in range(len(nodes)) if not has_child[i]):
+        path = []
+        node = leaf
+        while node >= 0:
+            path.append(node)
+            node = nodes[node][0]
+        path.reverse()
+        probs = tuple(nodes[i][2] for i in path)
+        confidence = 1.0
+        for prob in probs:
+            confidence *= prob
+        out.append(Proposal(source, token_ids=tuple(nodes[i][1] for i in path), token_probs=probs,
+                            confidence=confidence))
+    out.sort(key=lambda p: -p.confidence)  # stable: equal confidences keep the older leaf first
+    return out
+
+
 TEXT_CHARS_PER_NODE = 32
 """Characters of a text proposal kept per tree node it could fill: no target token is longer in
 practice, and text beyond what the tree can hold would only cost alignment time."""

@@ -46,7 +46,7 @@ from typing import Any, Sequence
 import torch
 
 from draftmesh.backend import KVState, TorchTarget
-from draftmesh.draft.base import DraftContext, Proposal
+from draftmesh.draft.base import DraftContext, Proposal, path_proposals
 from draftmesh.io_struct import SamplingParams
 from draftmesh.sampling import target_probs
 from draftmesh.tree import TokenTree
@@ -289,27 +289,12 @@ class LLMSource:
             assert p < 0 or p in keep_set, "kept a node without its parent"
         tree = TokenTree()
         remap: dict[int, int] = {-1: -1}
+        kept: list[tuple[int, int, float]] = []  # (parent, token, prob), indexed as in ``tree``
         for i in sorted(keep):
             remap[i] = tree.add(remap[nodes[i].parent], nodes[i].token, self.name, draft_prob=nodes[i].prob)
+            kept.append((remap[nodes[i].parent], nodes[i].token, nodes[i].prob))
         self.last_tree = tree
-        leaves = [i for i in sorted(keep) if not any(nodes[j].parent == i for j in keep_set)]
-        out = []
-        for leaf in sorted(leaves, key=lambda i: (-nodes[i].cum, i)):
-            path = []
-            node = leaf
-            while node >= 0:
-                path.append(node)
-                node = nodes[node].parent
-            path.reverse()
-            out.append(
-                Proposal(
-                    self.name,
-                    token_ids=tuple(nodes[i].token for i in path),
-                    token_probs=tuple(nodes[i].prob for i in path),
-                    confidence=nodes[leaf].cum,
-                )
-            )
-        return out
+        return path_proposals(self.name, kept)
 
     def _add_children(self, nodes: list[_Node], parent: int, cum: float, depth: int, logits, k: int) -> list[int]:
         probs = torch.softmax(logits[: self.vocab_limit].double(), dim=-1)

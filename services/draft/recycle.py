@@ -31,7 +31,7 @@ from typing import Sequence
 
 import numpy as np
 
-from draftmesh.draft.base import DraftContext, Proposal
+from draftmesh.draft.base import DraftContext, Proposal, path_proposals
 
 DEFAULT_TOP_K = 4
 """Successors kept per token id. Offline, ranks past the fourth were right 1-3% of the time each."""
@@ -117,6 +117,8 @@ class RecycleSource:
         if max_bytes < table_bytes:
             raise ValueError(f"recycle: max_bytes {max_bytes} is below one tenant's table ({table_bytes} bytes)")
         self.max_bytes = max_bytes
+        self.max_tables = max_bytes // table_bytes
+        """Every tenant's table has the same size: ``max_bytes`` holds this many."""
         self._tables: OrderedDict[str, SuccessorTable] = OrderedDict()
         self._lock = threading.Lock()
 
@@ -135,7 +137,7 @@ class RecycleSource:
                 return None
             table = SuccessorTable(self.vocab_size, self.top_k)
             self._tables[tenant] = table
-            while sum(t.nbytes for t in self._tables.values()) > self.max_bytes and len(self._tables) > 1:
+            while len(self._tables) > self.max_tables:
                 self._tables.popitem(last=False)
             return table
 
@@ -156,23 +158,4 @@ class RecycleSource:
             return []
         nodes = table.tree(int(ctx.token_ids[-1]), min(self.max_nodes, max(ctx.size_hint, 0)), self.max_depth,
                            self.min_prob)
-        if not nodes:
-            return []
-        has_child = [False] * len(nodes)
-        for parent, _, _ in nodes:
-            if parent >= 0:
-                has_child[parent] = True
-        out = []
-        for leaf in range(len(nodes)):
-            if has_child[leaf]:
-                continue
-            path = []
-            i = leaf
-            while i >= 0:
-                path.append(i)
-                i = nodes[i][0]
-            path.reverse()
-            probs = tuple(nodes[j][2] for j in path)
-            out.append(Proposal(self.name, token_ids=tuple(nodes[j][1] for j in path), token_probs=probs,
-                                confidence=float(np.prod(probs))))
-        return out
+        return path_proposals(self.name, nodes)
