@@ -38,7 +38,7 @@ from draftmesh.bench.oracle import OracleTreeBuilder
 from draftmesh.bench.report import fmt
 from draftmesh.config import DEFAULT_SOURCE_DEADLINE_S, BuilderConfig, EngineConfig
 from draftmesh.io_struct import GenerationRequest, GenerationResult, StepEvent
-from draftmesh.verify.engine import batch_limits, build_decoder
+from draftmesh.verify.engine import batch_limits, build_decoder, prefix_pool
 
 PLAIN_SERIAL, PLAIN, DRAFTMESH, ORACLE, VLLM = "plain-serial", "plain", "draftmesh", "draftmesh-oracle", "vllm"
 CONCURRENCY_METHODS = (PLAIN_SERIAL, PLAIN, DRAFTMESH)
@@ -93,14 +93,16 @@ def concurrency_methods(text: str | None) -> list[str]:
 
 def _decoder(method: str, target, engine: EngineConfig, builder: BuilderConfig, source_options,
              source_deadline_s: float | None = DEFAULT_SOURCE_DEADLINE_S,
-             plain_outputs: Mapping[str, Sequence[int]] | None = None):
-    """``plain_outputs``: item id -> its plain greedy output, which ``ORACLE`` reads."""
+             plain_outputs: Mapping[str, Sequence[int]] | None = None, pooled: bool = True):
+    """``plain_outputs``: item id -> its plain greedy output, which ``ORACLE`` reads. ``pooled``: with the
+    engine's prefix pool (finished requests' KV for later prompts that begin alike)."""
     limits = batch_limits(engine)
     if method == PLAIN_SERIAL:
         limits = dataclasses.replace(limits, max_rows=1)
     sources = None if method in (DRAFTMESH, ORACLE) else ()
     decoder = build_decoder(target, sources, source_options=source_options, builder_config=builder,
-                            batch_limits=limits, source_deadline_s=source_deadline_s)
+                            batch_limits=limits, source_deadline_s=source_deadline_s,
+                            kv_pool=prefix_pool(engine) if pooled else None)
     if method == ORACLE:
         decoder.builder = OracleTreeBuilder(decoder.builder, plain_outputs or {})
     return decoder
@@ -187,7 +189,7 @@ def run_pass(load, method: str, items: Sequence[PreparedItem], concurrency: int)
     after = load.batch_stats()
     batch: dict[str, Any] = {"forwards": None, "mean_rows": None, "mean_tokens_per_forward": None,
                              "speculating_share": None, "kv_bytes_allocated": None,
-                             "step_ms": None, "forward_ms": None, "busy_share": None}
+                             "step_ms": None, "forward_ms": None, "busy_share": None, "reused_prompt_tokens": None}
     if before is not None and after is not None:  # (a mesh not started by the bench: not visible)
         keys = ("steps", "forward_rows", "forward_tokens", "drafted_rows", "step_s", "forward_s")
         steps, rows, toks, spec, step_s, forward_s = (after[k] - before[k] for k in keys)
@@ -201,6 +203,8 @@ def run_pass(load, method: str, items: Sequence[PreparedItem], concurrency: int)
                  # the share of the pass's wall time spent inside steps: the rest is the batch waiting
                  # for its callers (a step handed between threads, requests arriving through the mesh)
                  "busy_share": step_s / seconds if seconds else 0.0,
+                 # prompt tokens whose KV the pass's requests copied from the prefix pool instead of prefilling
+                 "reused_prompt_tokens": after.get("prefix_reused_tokens", 0) - before.get("prefix_reused_tokens", 0),
                  # per batch size, what the pass's trees cost against the warm-up table (the budget's correction)
                  "tree_cost_factors": after.get("tree_cost_factors")}
     steady_s = steady_tokens = None
@@ -231,7 +235,8 @@ def _pct(values: Sequence[float], q: float) -> float:
 
 def prefill_probe(target, engine: EngineConfig, builder: BuilderConfig, long_tokens: int, repeats: int) -> dict[str, Any]:
     """A short request's time to first token alone, and while a ``long_tokens`` prompt prefills."""
-    decoder = _decoder(PLAIN, target, engine, builder, None)
+    # no prefix pool: a repeat of the long prompt would find it cached and prefill nothing
+    decoder = _decoder(PLAIN, target, engine, builder, None, pooled=False)
     gen = random.Random(0)
     low = min(100, target.vocab_size // 2)
     long_ids = tuple(gen.randrange(low, min(target.vocab_size, 20000)) for _ in range(long_tokens))
@@ -309,6 +314,7 @@ def run_concurrency(target, items: Sequence[PreparedItem], levels: Sequence[int]
                 for k, v in p.outputs.items():
                     reference.setdefault(k, v)
     rows = []
+    prompt_tokens = sum(len(it.prompt_ids) - 1 for it in items) or 1  # what a pass could prefill
     for (m, c), passes in runs.items():
         tps = [p.tokens_per_s for p in passes]
         steady = [p.steady_tokens_per_s for p in passes]
@@ -330,6 +336,8 @@ def run_concurrency(target, items: Sequence[PreparedItem], levels: Sequence[int]
             "step_ms": _median(p.batch.get("step_ms") for p in passes),
             "forward_ms": _median(p.batch.get("forward_ms") for p in passes),
             "busy_share": _median(p.batch.get("busy_share") for p in passes),
+            "reused_prompt_share": _median(p.batch["reused_prompt_tokens"] / prompt_tokens
+                                           if p.batch.get("reused_prompt_tokens") is not None else None for p in passes),
             "tree_cost_factors": passes[-1].batch.get("tree_cost_factors"),
             "identical_to_plain_serial": same, "outputs": total,
         })

@@ -57,6 +57,13 @@ from draftmesh.bench.workload import WorkloadError, items_of_kinds, load_workloa
 from draftmesh.config import config_from_args
 
 
+def without_prefix_pool(cfg):
+    """The mesh's config for the single-stream comparisons. They run every method on the same items one
+    after another, ``mesh:plain`` right after ``mesh:draftmesh`` on each, so with the prefix pool on the
+    second would find the first's prompt KV. Their in-process twins have no pool either; sessions keep theirs."""
+    return cfg.replace(engine={"prefix_cache_size": 0})
+
+
 def run(args: argparse.Namespace) -> int:
     """Run the benchmark described by ``args`` (see ``add_arguments``); return the exit status.
 
@@ -161,8 +168,8 @@ def run(args: argparse.Namespace) -> int:
                 if mesh_methods:
                     try:
                         mesh_runners, mesh_info, measure_memory = open_mesh(
-                            cleanup, mesh_methods, cfg, addr=opt("addr"), api_key=opt("api_key"), tls_ca=tls_ca,
-                            max_nodes=opt("max_nodes"),
+                            cleanup, mesh_methods, without_prefix_pool(cfg), addr=opt("addr"), api_key=opt("api_key"),
+                            tls_ca=tls_ca, max_nodes=opt("max_nodes"),
                         )
                     except MeshError as exc:
                         return _error(str(exc))
@@ -346,8 +353,8 @@ def _run_faces(args, cfg, prepared, methods, repeats: int, tls_ca, injected: boo
         with contextlib.ExitStack() as cleanup:
             try:
                 grpc_runners, info, measure_memory = open_mesh(
-                    cleanup, mesh_methods, cfg, addr=opt("addr"), api_key=opt("api_key"), tls_ca=tls_ca,
-                    max_nodes=opt("max_nodes"), http=True)
+                    cleanup, mesh_methods, without_prefix_pool(cfg), addr=opt("addr"), api_key=opt("api_key"),
+                    tls_ca=tls_ca, max_nodes=opt("max_nodes"), http=True)
             except MeshError as exc:
                 return _error(str(exc))
             http_addr = opt("http_addr") or info.get("http_address")

@@ -194,7 +194,7 @@ class SlotKVCache:
         return moved
 
     def load_row(self, row: int, cache: DynamicCache, n: int) -> None:
-        """Copy the first ``n`` entries of a cache (a session's, from the pool) into ``row``."""
+        """Copy the first ``n`` entries of a cache (a pooled entry's shared prefix) into ``row``."""
         if n > self.token_capacity:
             raise MemoryError(f"row capacity {self.token_capacity} < {n} cached tokens")
         for i, layer in enumerate(cache.layers):
@@ -203,7 +203,7 @@ class SlotKVCache:
         self.lengths[row] = n
 
     def export_row(self, row: int) -> DynamicCache:
-        """A copy of the row's committed KV as a cache of its own (for the session pool)."""
+        """A copy of the row's committed KV as a cache of its own (for the prefix pool)."""
         n = self.lengths[row]
         cache = DynamicCache()
         for i in range(self.layers):

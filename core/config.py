@@ -102,8 +102,14 @@ class EngineConfig:
     )
     kv_budget_bytes: int = option(
         2 << 30, min=1 << 20,
-        help="bytes of target KV per replica: the batch's slab and the pooled sessions together; a request that does "
+        help="bytes of target KV per replica: the batch's slab and the pooled sessions' and prefixes' KV together; a request that does "
              "not fit waits, one that never could gets RESOURCE_EXHAUSTED",
+    )
+    prefix_cache_size: int = option(
+        64, min=0,
+        help="finished requests without a session whose KV a verifier keeps, so that a later request of the same "
+             "tenant that begins with the same tokens (a system prompt, a document, a chat's history) prefills only "
+             "the rest; within engine.kv_budget_bytes (0: off)",
     )
     max_batch_tokens: int = option(512, min=1, help="tokens per batched forward: roots, draft trees and prefill chunks")
     prefill_chunk: int = option(128, min=1, help="prompt tokens of one request prefilled per step (chunked prefill)")

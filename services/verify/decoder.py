@@ -43,7 +43,7 @@ from draftmesh.tree import TokenTree
 from draftmesh.verify.policy import AcceptancePolicy, make_policy
 from draftmesh.verify.request_run import RequestRun, StepPlan
 from draftmesh.verify.scheduler import BatchLimits, BatchScheduler, Ticket
-from draftmesh.verify.session_kv import SessionKVPool
+from draftmesh.verify.prefix_kv import PrefixKVPool
 from draftmesh.verify.source_caller import SourceAnswers, SourceCaller
 from draftmesh.verify.tree_builder import CostAwareTreeBuilder, ScoredTree, TreeBuilder, default_aligner
 
@@ -64,7 +64,7 @@ class SpeculativeDecoder:
         builder: TreeBuilder | None = None,
         flag_provider: FlagProvider | None = None,
         source_deadline_s: float | None = None,
-        kv_pool: SessionKVPool | None = None,
+        kv_pool: PrefixKVPool | None = None,
         trace_steps: int = 256,
         batch_limits: BatchLimits | None = None,
         batch_observer: Any = None,
@@ -287,7 +287,8 @@ class SpeculativeDecoder:
             return self._scheduler
 
     def batch_stats(self) -> dict:
-        """The batch's counters: steps, rows and tokens per forward, queue, KV bytes."""
+        """The batch's counters: steps, rows and tokens per forward, queue, KV bytes, prompt tokens
+        copied from the prefix pool."""
         sched = self._scheduler
         if sched is None:
             return {}
@@ -298,6 +299,7 @@ class SpeculativeDecoder:
             "mean_tokens_per_forward": st.forward_tokens / st.steps if st.steps else 0.0,
             "speculating_share": st.drafted_rows / st.forward_rows if st.forward_rows else 0.0,
             "max_rows": st.max_rows_seen, "admitted": st.admitted, "finished": st.finished,
+            "prefix_reused_tokens": self.kv_pool.stats()["reused_tokens"] if self.kv_pool is not None else 0,
             "cancelled": st.cancelled, "refused": st.refused, "interrupted": st.interrupted,
             "step_s": st.step_s_total, "forward_s": st.forward_s_total,
             "mean_wait_s": st.wait_s_total / st.admitted if st.admitted else 0.0,
@@ -309,13 +311,13 @@ class SpeculativeDecoder:
         }
 
     def sizes(self) -> dict[str, int]:
-        """Bytes held by the replica's bounded caches, for the size gauges: the pooled session KV,
+        """Bytes held by the replica's bounded caches, for the size gauges: the pooled prefix KV,
         the live rag indexes, the answer store and its Redis's ``used_memory``. The last two are
         Redis round trips: call this outside the steps (the replica does, after a request)."""
         out: dict[str, int] = {}
         sched = self._scheduler
         if self.kv_pool is not None and sched is not None:
-            out["session_kv_bytes"] = self.kv_pool.stats()["cached_tokens"] * sched.kv.bytes_per_token
+            out["prefix_kv_bytes"] = self.kv_pool.stats()["cached_tokens"] * sched.kv.bytes_per_token
         for source in self.sources:
             stats = source.stats() if isinstance(source, PreparingSource) and hasattr(source, "stats") else None
             if isinstance(stats, dict) and "index_bytes" in stats:

@@ -27,7 +27,6 @@ from draftmesh.verify.engine import decoder_from_config, load_target, remote_sou
 from draftmesh.verify.factcheck_link import FactCheckLink
 from draftmesh.verify.metrics import VerifierMetrics
 from draftmesh.verify.replica import VerifierReplica
-from draftmesh.verify.session_kv import SessionKVPool
 
 log = logging.getLogger(__name__)
 
@@ -60,10 +59,9 @@ class VerifierPool:
 
     def _new_decoder(self) -> SpeculativeDecoder:
         cfg = self._cfg
-        pool = SessionKVPool(max_sessions=cfg.serve.session_cache_size) if cfg.serve.session_cache_size else None
         extra = remote_sources(cfg, self._handles, cfg.engine.model)
         self._factcheck_link = self._new_factcheck_link() if cfg.factcheck.enabled else None
-        return decoder_from_config(self._target, cfg, extra_sources=extra, kv_pool=pool, flag_provider=self._factcheck_link,
+        return decoder_from_config(self._target, cfg, extra_sources=extra, flag_provider=self._factcheck_link,
                                    batch_observer=getattr(self, "_metrics", None))
 
     def _new_factcheck_link(self) -> FactCheckLink:

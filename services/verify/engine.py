@@ -7,14 +7,14 @@ import dataclasses
 from typing import Any, Mapping, Sequence
 
 from draftmesh.backend import TorchTarget
-from draftmesh.config import DEFAULT_SOURCE_DEADLINE_S, BuilderConfig, DraftmeshConfig, EngineConfig
+from draftmesh.config import DEFAULT_SOURCE_DEADLINE_S, BuilderConfig, DraftmeshConfig, EngineConfig, ServeConfig
 from draftmesh.draft import registry
 from draftmesh.draft.base import DraftSource
 from draftmesh.draft.grpc_source import GrpcDraftSource
 from draftmesh.draft.remote import ServeHandleSource
 from draftmesh.verify.decoder import FlagProvider, SpeculativeDecoder
 from draftmesh.verify.scheduler import BatchLimits
-from draftmesh.verify.session_kv import SessionKVPool
+from draftmesh.verify.prefix_kv import PrefixKVPool
 from draftmesh.verify.tree_builder import CostAwareTreeBuilder, default_aligner
 
 
@@ -28,7 +28,7 @@ def build_decoder(
     redis_url: str | None = None,
     source_deadline_s: float | None = DEFAULT_SOURCE_DEADLINE_S,
     extra_sources: Sequence[DraftSource] = (),
-    kv_pool: SessionKVPool | None = None,
+    kv_pool: PrefixKVPool | None = None,
     flag_provider: FlagProvider | None = None,
     trace_steps: int = 256,
     batch_limits: BatchLimits | None = None,
@@ -81,11 +81,12 @@ def decoder_from_config(
     cfg: DraftmeshConfig,
     *,
     extra_sources: Sequence[DraftSource] = (),
-    kv_pool: SessionKVPool | None = None,
+    kv_pool: PrefixKVPool | None = None,
     flag_provider: FlagProvider | None = None,
     batch_observer=None,
 ) -> SpeculativeDecoder:
-    """``build_decoder`` with the config's sources, their options and deadline, its builder, Redis and batch limits."""
+    """``build_decoder`` with the config's sources, their options and deadline, its builder, Redis, batch
+    limits and prefix pool (``kv_pool``: one of the caller's instead)."""
     return build_decoder(
         target,
         cfg.sources.names,
@@ -94,7 +95,7 @@ def decoder_from_config(
         source_deadline_s=cfg.sources.deadline_s,
         redis_url=cfg.serve.redis_url,
         extra_sources=extra_sources,
-        kv_pool=kv_pool,
+        kv_pool=kv_pool if kv_pool is not None else prefix_pool(cfg.engine, cfg.serve.session_cache_size),
         flag_provider=flag_provider,
         trace_steps=cfg.engine.trace_steps,
         batch_limits=batch_limits(cfg.engine),
@@ -103,6 +104,13 @@ def decoder_from_config(
         rag_budget_bytes=cfg.sources.rag_budget_bytes,
         answer_store_max_bytes=cfg.serve.answer_store_max_bytes,
     )
+
+
+def prefix_pool(cfg: EngineConfig, session_cache_size: int = ServeConfig.session_cache_size) -> PrefixKVPool | None:
+    """The replica's pool of finished requests' KV (sessions' and prefixes'), None when both are off."""
+    if not (cfg.prefix_cache_size or session_cache_size):
+        return None
+    return PrefixKVPool(max_sessions=session_cache_size, max_prefixes=cfg.prefix_cache_size)
 
 
 def batch_limits(cfg: EngineConfig) -> BatchLimits:

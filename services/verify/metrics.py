@@ -49,7 +49,7 @@ class VerifierMetrics:
                                     "requests waiting for room in the batch (KV budget, rows)", ("replica",))
         self.kv_bytes = backend.gauge("draftmesh_verifier_kv_bytes", "bytes of the batch's KV slab", ("replica",))
         self.size_gauges = {
-            "session_kv_bytes": backend.gauge("draftmesh_session_kv_bytes", "bytes of pooled session KV caches", ("replica",)),
+            "prefix_kv_bytes": backend.gauge("draftmesh_prefix_kv_bytes", "bytes of pooled KV caches: sessions' and finished requests' prefixes", ("replica",)),
             "rag_index_bytes": backend.gauge("draftmesh_rag_index_bytes", "bytes of the live rag indexes", ("replica",)),
             "answer_store_bytes": backend.gauge("draftmesh_answer_store_bytes",
                                                 "bytes of answers and session turns in the answer store", ("replica",)),

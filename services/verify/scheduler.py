@@ -17,7 +17,7 @@ loop; a cancel waits for at most the running step, then frees the row. The step 
 cancel's row release) runs on the process's compute thread (``draftmesh.compute``): torch's
 OpenMP is twice as slow once several threads have run its parallel regions.
 
-KV memory: one slab (``SlotKVCache``) bounded, together with the session pool's caches, by
+KV memory: one slab (``SlotKVCache``) bounded, together with the prefix pool's caches, by
 ``kv_budget_bytes``. A request reserves a row of ``prompt + max_new_tokens + tree`` tokens; it
 waits (bounded queue, first come first served) until that fits, and is refused at once with
 ``Busy`` when it could never fit or the queue is full.
@@ -96,7 +96,7 @@ class SchedulerStats:
 
 
 class BatchScheduler:
-    """The batch of one decoder (``SpeculativeDecoder``: its target, sources, builder, session pool)."""
+    """The batch of one decoder (``SpeculativeDecoder``: its target, sources, builder, prefix pool)."""
 
     def __init__(self, decoder: Any, limits: BatchLimits | None = None, observer: Any = None) -> None:
         self.decoder = decoder
@@ -402,10 +402,10 @@ class BatchScheduler:
                 kv.ensure(kv.rows + 1, need)
                 row = kv.add_row()
                 cached: list[int] = []
-                if pool is not None and run.req.session_id:
-                    state, cached = pool.checkout(run.req.session_id, run.prompt[:-1])
+                if pool is not None:  # the tenant's longest shared prefix, copied: the pooled entry stays
+                    state, cached = pool.lookup(run.req.tenant, run.prompt[:-1])
                     if cached:
-                        kv.load_row(row, state.cache, state.length)
+                        kv.load_row(row, state.cache, len(cached))
                 run.attach(row, cached)
             except Exception as exc:
                 self._fail(ticket, exc)
@@ -447,9 +447,10 @@ class BatchScheduler:
     def _finish(self, ticket: Ticket) -> None:
         run = ticket.run
         pool = self.decoder.kv_pool
-        if pool is not None and run.req.session_id and run.row is not None:
-            pool.checkin(run.req.session_id, run.cached, KVState(self.kv.export_row(run.row), self.kv.lengths[run.row]))
-            # pooled sessions and the slab share one budget
+        if pool is not None and run.row is not None and pool.keeps(run.req.session_id):
+            pool.checkin(run.req.tenant, run.cached, KVState(self.kv.export_row(run.row), self.kv.lengths[run.row]),
+                         session_id=run.req.session_id)
+            # pooled entries and the slab share one budget
             pool.shrink_to(max(0, (self.limits.kv_budget_bytes - self.kv.allocated_bytes) // self.kv.bytes_per_token))
         self._release(ticket)
         self.decoder.end_request(run)

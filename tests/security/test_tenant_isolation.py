@@ -135,6 +135,8 @@ def test_answers_are_per_tenant_shared_only_with_exact_requests_of_named_tenants
     again = complete(stub, "alice", question)  # her own answer is drafted back
     assert list(again.token_ids) == list(first.token_ids)
     assert share(again) >= MOSTLY, (drafted(again), again.usage)
+    # her prompt's KV is pooled: she prefills only its last token, the others never get it
+    assert again.usage.cached_prompt_tokens == again.usage.prompt_tokens - 1, again.usage
 
     bob = complete(stub, "bob", question)  # same question, another tenant: no answer to draft
     assert list(bob.token_ids) == list(first.token_ids)  # exact: the target's own text
@@ -142,6 +144,9 @@ def test_answers_are_per_tenant_shared_only_with_exact_requests_of_named_tenants
 
     carol = complete(stub, "carol", question)  # alice shares with carol
     assert share(carol) >= MOSTLY, (drafted(carol), carol.usage)
+    # answers may be shared, KV never: each reuses at most the chat template its own earlier requests began with
+    for other_tenant in (bob, carol):
+        assert other_tenant.usage.cached_prompt_tokens < again.usage.cached_prompt_tokens - 8, other_tenant.usage
 
     # a question only alice answered: lossy requests never draft another tenant's answers,
     # shared or not, under the most lenient policy. The yardstick is alice's own lossy request,

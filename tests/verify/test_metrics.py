@@ -116,12 +116,12 @@ def test_replica_reports_the_bounded_caches_sizes(llama, redis_server):
     from draftmesh.draft.history import HistorySource
     from draftmesh.draft.rag import RagSource
     from draftmesh.draft.redis_store import RedisAnswerStore
-    from draftmesh.verify.session_kv import SessionKVPool
+    from draftmesh.verify.prefix_kv import PrefixKVPool
 
     store = RedisAnswerStore.from_url(redis_server.url, prefix=f"test:{uuid.uuid4().hex}:", max_bytes=1 << 20)
     rag = RagSource(word_tokenizer(llama.vocab_size))
     decoder = SpeculativeDecoder(llama, [HistorySource(store), rag], TrieBuilder(max_nodes=8),
-                                 kv_pool=SessionKVPool(max_sessions=4))
+                                 kv_pool=PrefixKVPool(max_sessions=4))
     backend = MemoryMetrics()
     replica = VerifierReplica(decoder, name="r0", metrics=VerifierMetrics(backend, "r0"))
     req = ServeRequest("r1", prompt="w5 w6 w7 w8", max_new_tokens=6, session_id="s1", documents=("w9 w10 w11 w12",))
@@ -130,7 +130,7 @@ def test_replica_reports_the_bounded_caches_sizes(llama, redis_server):
     assert backend.value("draftmesh_answer_store_bytes", **tags) == store.nbytes() > 0
     assert backend.value("draftmesh_redis_used_bytes", **tags) > 0
     assert backend.value("draftmesh_rag_index_bytes", **tags) == 0  # the request's index was freed at its end
-    assert backend.value("draftmesh_session_kv_bytes", **tags) > 0  # the session's KV stays pooled
+    assert backend.value("draftmesh_prefix_kv_bytes", **tags) > 0  # the session's KV stays pooled
 
 
 def expected_sizes(step_tokens: list[int], interval: int) -> list[int]:
