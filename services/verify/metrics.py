@@ -35,6 +35,10 @@ class VerifierMetrics:
                                                ("replica", "source"))
         self.source_failures = backend.counter("draftmesh_source_failed_steps", "steps a source failed, timed out or was busy",
                                                ("replica", "source"))
+        self.prompt_tokens = backend.counter("draftmesh_prompt_tokens", "prompt tokens of served requests", ("replica",))
+        self.prefix_cached_tokens = backend.counter(
+            "draftmesh_prefix_cached_tokens", "prompt tokens of served requests whose KV came from the prefix pool, not a "
+            "prefill (over draftmesh_prompt_tokens: the pool's hit rate)", ("replica",))
         self.active = backend.gauge("draftmesh_verifier_active_requests",
                                     "requests on the replica (in the batch or waiting for room in it)", ("replica",))
 
@@ -80,6 +84,12 @@ class VerifierMetrics:
             self.source_accepted.inc(accepted, {**tags, "source": source})
         for source in record.failed_sources:
             self.source_failures.inc(1, {**tags, "source": source})
+
+    def prompt(self, tokens: int, cached: int) -> None:
+        """A served request's prompt, and how much of it the prefix pool held."""
+        self.prompt_tokens.inc(tokens, self.tags)
+        if cached:
+            self.prefix_cached_tokens.inc(cached, self.tags)
 
     def sizes(self, sizes: dict[str, int]) -> None:
         """The bounded caches' sizes (``SpeculativeDecoder.sizes``)."""

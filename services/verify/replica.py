@@ -159,6 +159,8 @@ class VerifierReplica:
                     item, pending = pending, None
                 else:
                     outcome = "served"
+                    if self.metrics is not None:
+                        self.metrics.prompt(item.result.prompt_tokens, item.result.reused_tokens)
                     if pending is not None:
                         yield pending
                         pending = None

@@ -108,7 +108,8 @@ def test_memory_backend_refuses_what_ray_refuses():
 
 
 def test_replica_reports_the_bounded_caches_sizes(llama, redis_server):
-    """Session KV, rag index, answer-store and Redis bytes as gauges, set after a request."""
+    """Prefix KV, rag index, answer-store and Redis bytes as gauges, set after a request; prompt tokens
+    and those the prefix pool held as counters."""
     import uuid
 
     from tiny_models import word_tokenizer
@@ -131,6 +132,10 @@ def test_replica_reports_the_bounded_caches_sizes(llama, redis_server):
     assert backend.value("draftmesh_redis_used_bytes", **tags) > 0
     assert backend.value("draftmesh_rag_index_bytes", **tags) == 0  # the request's index was freed at its end
     assert backend.value("draftmesh_prefix_kv_bytes", **tags) > 0  # the session's KV stays pooled
+    assert backend.value("draftmesh_prompt_tokens", **tags) == 4 and backend.value("draftmesh_prefix_cached_tokens", **tags) == 0
+    again = ServeRequest("r2", prompt="w5 w6 w7 w8", max_new_tokens=6)  # no session: its prefix still comes from the pool
+    assert isinstance(run(replica, again)[-1], ServedResult)
+    assert backend.value("draftmesh_prompt_tokens", **tags) == 8 and backend.value("draftmesh_prefix_cached_tokens", **tags) == 3
 
 
 def expected_sizes(step_tokens: list[int], interval: int) -> list[int]:
