@@ -88,10 +88,10 @@ class PrefixKVPool:
         (replacing the session's entry, when one is named)."""
         if state.length != len(cached_ids):
             raise ValueError(f"state holds {state.length} tokens but {len(cached_ids)} ids were given")
-        ids = np.asarray(cached_ids, dtype=np.int64)
-        session = bool(session_id)
         if not self.keeps(session_id):
             return
+        ids = np.asarray(cached_ids, dtype=np.int64)
+        session = bool(session_id)
         with self._lock:
             if session:
                 self._remove(("session", session_id))
@@ -134,13 +134,11 @@ class PrefixKVPool:
             }
 
     # ------------------------------------------------------------------ under the lock
-    def _remove(self, key: Hashable) -> bool:
+    def _remove(self, key: Hashable) -> None:
         entry = self._entries.pop(key, None)
-        if entry is None:
-            return False
-        self._counts[entry.session] -= 1
-        self._tokens -= len(entry.ids)
-        return True
+        if entry is not None:
+            self._counts[entry.session] -= 1
+            self._tokens -= len(entry.ids)
 
     def _evict(self, max_tokens: int) -> None:
         limits = {True: self.max_sessions, False: self.max_prefixes}
